@@ -1,0 +1,135 @@
+"""Structured config schemas (registered in Hydra's ConfigStore by ``msar_train.config.store``).
+
+Config is data: these dataclasses hold fields and defaults only. Cross-field checks live in
+``msar_train.config.validate``; building models/optimizers lives in the packages that own them.
+No torch import here (composition must stay cheap and importable anywhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class MoEConfig:
+    n_routed: int = 8  # fine-grained routed experts
+    n_shared: int = 1  # always-on shared experts
+    top_k: int = 2
+    expert_hidden: int = 128  # hidden width of one routed (and one shared) expert
+    score_func: str = "softmax"  # softmax (DeepSeekMoE) | sigmoid (DeepSeek-V3)
+    norm_topk_prob: bool = False  # renormalise the selected top-k weights to sum to 1
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1  # group-limited routing: experts split into n_group groups ...
+    topk_group: int = 1  # ... and only the best topk_group groups may be chosen
+    aux_loss_coef: float = 0.0  # expert-level balance loss (DeepSeekMoE alpha_1); 0 = off
+    seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3 alpha); 0 = off
+    bias_update: bool = True  # auxiliary-loss-free balancing (bias on selection scores)
+    bias_update_rate: float = 1e-3  # gamma: bias += rate * sign(mean_load - load)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    vocab_size: int = 4096
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4  # < n_heads: grouped-query attention
+    head_dim: Optional[int] = None  # default d_model // n_heads
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    first_k_dense: int = 1  # the first k blocks use a dense SwiGLU FFN instead of MoE
+    dense_hidden: int = 384  # hidden width of the dense SwiGLU FFN
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+
+@dataclass
+class ResidualConfig:
+    name: str = "msar"  # vanilla | mhc | attnres | msar
+    # attnres / msar: number of summary blocks; null = one block per branch (Full variant)
+    n_blocks: Optional[int] = 8
+    # msar
+    num_streams: int = 4
+    kernel_sizes: list[int] = field(default_factory=lambda: [4, 8, 12])  # one per stream r >= 1
+    fusion: str = "adaptive"  # adaptive | mean
+    expansion: str = "conv"  # conv | none
+    fusion_scale_init: float = 0.01  # a_l
+    # mhc
+    mhc_streams: int = 4
+    sinkhorn_iters: int = 20
+    mhc_scale_init: float = 0.01  # a_pre, a_post, a_res
+    mhc_res_diag_init: float = 2.0  # b_res diagonal: Hres starts at ~0.71 on the diagonal (docs/decisions.md)
+
+
+@dataclass
+class DataConfig:
+    # built-in corpus (shakespeare | ptb) prepared into cache_dir when `path` is null
+    corpus: str = "shakespeare"
+    # directory made by msar-prepare-data (meta.json + tokenizer.json + token shards); null = use `corpus`
+    path: Optional[str] = None
+    # built-in corpora, their prepared shards and the datasets cache; relative = under the repo root
+    cache_dir: str = "${oc.env:MSAR_CACHE,.cache/msar}"
+    tokenizer_vocab_size: int = 4096  # byte-level BPE trained for `corpus` (ignored with `path`)
+    seq_len: int = 128
+    val_fraction: float = 0.05  # documents carved off train for validation (corpus without a validation split)
+    document_mask: bool = False  # attention and MSAR convs stay inside one document
+    verify_checksums: bool = True  # sha256 every shard at open (turn off for huge, trusted data)
+    num_proc: int = 2  # tokenizer processes when preparing `corpus`
+    # refuse data tokenized with another tokenizer (sha256 of its tokenizer.json); null = no check
+    expected_tokenizer_sha256: Optional[str] = None
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | wsd | constant
+    wsd_decay_fraction: float = 0.2  # WSD: fraction of steps in the final decay
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = off
+    eval_every: int = 50
+    eval_batches: int = 8
+    log_every: int = 10
+    seed: int = 1234
+    run_dir: Optional[str] = None  # default runs/<experiment>-<timestamp>
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 | bfloat16
+    progress: bool = True  # rich progress display
+    threads: Optional[int] = None  # torch.set_num_threads; null = leave as is
+
+
+@dataclass
+class LoggerConfig:
+    mode: str = "disabled"  # online | offline | disabled (wandb); JSONL is always written
+    project: str = "msar-train"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "default"
+    notes: str = ""
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)

@@ -1,0 +1,110 @@
+"""Cross-field validation: every failure is a ``ValueError`` that names the offending field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from omegaconf import DictConfig
+
+from msar_train.config.schema import TrainConfig
+
+
+def _fail(field: str, value, why: str) -> None:
+    raise ValueError(f"{field}={value!r}: {why}")
+
+
+def _choice(field: str, value, choices) -> None:
+    if value not in choices:
+        _fail(field, value, f"must be one of {sorted(choices)}")
+
+
+def _positive(cfg_node, prefix: str, names: list[str]) -> None:
+    for n in names:
+        v = cfg_node[n]
+        if v is not None and v <= 0:
+            _fail(f"{prefix}.{n}", v, "must be > 0")
+
+
+def validate_model(m: DictConfig) -> None:
+    _positive(m, "model", ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "dense_hidden", "init_std", "rope_theta"])
+    if m.n_heads % m.n_kv_heads:
+        _fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
+    head_dim = m.head_dim or m.d_model // m.n_heads
+    if m.head_dim is None and m.d_model % m.n_heads:
+        _fail("model.n_heads", m.n_heads, f"must divide model.d_model={m.d_model} (or set model.head_dim)")
+    if head_dim % 2:
+        _fail("model.head_dim", head_dim, "must be even (RoPE rotates pairs)")
+    if not 0 <= m.first_k_dense <= m.n_layers:
+        _fail("model.first_k_dense", m.first_k_dense, f"must be in [0, model.n_layers={m.n_layers}]")
+    e = m.moe
+    _positive(e, "model.moe", ["n_routed", "top_k", "expert_hidden", "n_group", "topk_group", "routed_scaling_factor"])
+    if e.n_shared < 0:
+        _fail("model.moe.n_shared", e.n_shared, "must be >= 0")
+    _choice("model.moe.score_func", e.score_func, {"softmax", "sigmoid"})
+    if e.top_k > e.n_routed:
+        _fail("model.moe.top_k", e.top_k, f"must be <= model.moe.n_routed={e.n_routed}")
+    if e.n_routed % e.n_group:
+        _fail("model.moe.n_group", e.n_group, f"must divide model.moe.n_routed={e.n_routed}")
+    if e.topk_group > e.n_group:
+        _fail("model.moe.topk_group", e.topk_group, f"must be <= model.moe.n_group={e.n_group}")
+    if e.top_k > e.topk_group * (e.n_routed // e.n_group):
+        _fail("model.moe.top_k", e.top_k, "exceeds the experts inside the topk_group chosen groups")
+    for n in ("aux_loss_coef", "seq_aux_loss_coef", "bias_update_rate"):
+        if e[n] < 0:
+            _fail(f"model.moe.{n}", e[n], "must be >= 0")
+
+
+def validate_residual(r: DictConfig, n_layers: int) -> None:
+    _choice("residual.name", r.name, {"vanilla", "mhc", "attnres", "msar"})
+    n_branches = 2 * n_layers
+    if r.n_blocks is not None and not 1 <= r.n_blocks <= n_branches:
+        _fail("residual.n_blocks", r.n_blocks, f"must be in [1, {n_branches}] (2 * model.n_layers branches) or null (Full)")
+    _choice("residual.fusion", r.fusion, {"adaptive", "mean"})
+    _choice("residual.expansion", r.expansion, {"conv", "none"})
+    if r.num_streams < 1:
+        _fail("residual.num_streams", r.num_streams, "must be >= 1")
+    if r.name == "msar" and r.expansion == "conv" and len(r.kernel_sizes) != r.num_streams - 1:
+        _fail("residual.kernel_sizes", list(r.kernel_sizes), f"needs one size per extra stream: {r.num_streams - 1} for residual.num_streams={r.num_streams}")
+    for k in r.kernel_sizes:
+        if k < 1:
+            _fail("residual.kernel_sizes", list(r.kernel_sizes), "every kernel size must be >= 1")
+    if r.mhc_streams < 1:
+        _fail("residual.mhc_streams", r.mhc_streams, "must be >= 1")
+    if r.sinkhorn_iters < 1:
+        _fail("residual.sinkhorn_iters", r.sinkhorn_iters, "must be >= 1")
+
+
+def validate_trainer(t: DictConfig) -> None:
+    _positive(t, "trainer", ["max_steps", "micro_batch_size", "grad_accum", "lr", "eval_every", "eval_batches", "log_every"])
+    if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
+        _fail("trainer.warmup_steps", t.warmup_steps, f"must be in [0, trainer.max_steps={t.max_steps}]")
+    _choice("trainer.schedule", t.schedule, {"cosine", "wsd", "constant"})
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        _fail("trainer.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    if not 0.0 < t.wsd_decay_fraction <= 1.0:
+        _fail("trainer.wsd_decay_fraction", t.wsd_decay_fraction, "must be in (0, 1]")
+    if t.grad_clip < 0:
+        _fail("trainer.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    _choice("trainer.dtype", t.dtype, {"float32", "bfloat16"})
+
+
+def check_known_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
+    """Hydra's ``+key=value`` can append keys the schema does not know; refuse them by name."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            raise ValueError(f"{name}: unknown config key (not a field of {schema.__name__})")
+        sub = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
+        if sub is not None and dataclasses.is_dataclass(sub) and isinstance(node[key], DictConfig):
+            check_known_keys(node[key], sub, name + ".")
+
+
+def validate(cfg: DictConfig) -> None:
+    check_known_keys(cfg, TrainConfig)
+    validate_model(cfg.model)
+    validate_residual(cfg.residual, cfg.model.n_layers)
+    validate_trainer(cfg.trainer)
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        _fail("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
+    _choice("logger.mode", cfg.logger.mode, {"online", "offline", "disabled"})

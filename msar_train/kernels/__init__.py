@@ -1,0 +1,1 @@
+"""Depth-attention implementations (torch reference path; fused paths are chosen by config)."""

@@ -1,0 +1,109 @@
+"""Depth attention over residual sources, torch path (the reference every fast path is tested against).
+
+Legend: S sources, M streams, B batch, T sequence, D d_model, K conv taps.
+
+A *source* is one single-stream tensor ``s_BTD`` plus an ``expand`` callable that returns its M streams
+``[E_0[s], ..., E_{M-1}[s]]`` (stream 0 is the identity). For target ``l`` and stream ``r`` the logit of
+source ``j`` is ``(q_r * g_r) . RMSNorm(E_r[s_j])`` (the key-norm weight g folded into the query) and
+the output is ``z_r = sum_j softmax_j(logit) E_r[s_j]``.
+
+Two-phase (exact): phase 1 reduces the completed sources to (unnormalised output o, running max mx,
+sum of exponentials se) per stream; phase 2 merges the block's partial source with an online-softmax
+update. ``direct`` is the plain one-softmax form used as the test reference.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Expand = Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless RMSNorm over the last dim (the learnable weight is folded elsewhere)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def causal_depthwise_conv(x_BTD: torch.Tensor, w_KD: torch.Tensor, doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+    """``y_t = sum_{delta<K} w[delta] * x_{t-delta}`` per channel, zero before the first token.
+
+    With ``doc_ids_BT`` a tap never reaches into another document (the same policy as the attention
+    mask), so packed documents do not leak into each other through the expansion.
+    """
+    K = w_KD.shape[0]
+    if doc_ids_BT is None:
+        # conv1d correlates: out[t] = sum_k w[k] x[t + k - (K-1)], so tap k is delta = K-1-k.
+        x_BDT = F.pad(x_BTD.transpose(1, 2), (K - 1, 0))
+        w_D1K = w_KD.flip(0).t().unsqueeze(1)
+        return F.conv1d(x_BDT, w_D1K.to(x_BTD.dtype), groups=x_BTD.shape[-1]).transpose(1, 2)
+    T = x_BTD.shape[1]
+    y = x_BTD * w_KD[0]
+    for delta in range(1, min(K, T)):
+        same_BT = doc_ids_BT[:, delta:] == doc_ids_BT[:, :-delta]
+        shifted = x_BTD[:, :-delta] * same_BT.unsqueeze(-1).to(x_BTD.dtype)
+        y = y + F.pad(shifted * w_KD[delta], (0, 0, delta, 0))
+    return y
+
+
+class Phase1(NamedTuple):
+    o_MBTD: torch.Tensor  # unnormalised weighted sum, relative to mx
+    mx_MBT: torch.Tensor  # running max of the logits
+    se_MBT: torch.Tensor  # sum of exp(logit - mx)
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _streams_and_logits(
+    s_BTD: torch.Tensor, expand: Expand, qg_MD: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    E_MBTD = torch.stack(expand(s_BTD))
+    sd = _stat_dtype(s_BTD.dtype)
+    logit_MBT = torch.einsum("mbtd,md->mbt", rms_normalize(E_MBTD.to(sd), eps), qg_MD.to(sd))
+    return E_MBTD, logit_MBT
+
+
+def phase1(sources: Sequence[tuple[torch.Tensor, Expand]], qg_MD: torch.Tensor, eps: float) -> Phase1:
+    """Reduce the completed sources of a block for one target (all streams at once)."""
+    Es, logits = zip(*(_streams_and_logits(s, ex, qg_MD, eps) for s, ex in sources))
+    L_SMBT = torch.stack(logits)
+    mx_MBT = L_SMBT.amax(0)
+    p_SMBT = torch.exp(L_SMBT - mx_MBT)
+    E_SMBTD = torch.stack(Es)
+    o_MBTD = torch.einsum("smbt,smbtd->mbtd", p_SMBT.to(E_SMBTD.dtype), E_SMBTD)
+    return Phase1(o_MBTD, mx_MBT, p_SMBT.sum(0))
+
+
+def phase2(p1: Phase1, partial: tuple[torch.Tensor, Expand] | None, qg_MD: torch.Tensor, eps: float) -> torch.Tensor:
+    """Online-softmax merge of the partial source into phase 1's statistics; returns z_MBTD."""
+    if partial is None:
+        return p1.o_MBTD / p1.se_MBT.unsqueeze(-1).to(p1.o_MBTD.dtype)
+    E2_MBTD, l2_MBT = _streams_and_logits(partial[0], partial[1], qg_MD, eps)
+    M = torch.maximum(p1.mx_MBT, l2_MBT)
+    w1, w2 = torch.exp(p1.mx_MBT - M), torch.exp(l2_MBT - M)
+    den = (w1 * p1.se_MBT + w2).unsqueeze(-1)
+    dt = E2_MBTD.dtype
+    return (w1.unsqueeze(-1).to(dt) * p1.o_MBTD + w2.unsqueeze(-1).to(dt) * E2_MBTD) / den.to(dt)
+
+
+def two_phase(
+    completed: Sequence[tuple[torch.Tensor, Expand]],
+    partial: tuple[torch.Tensor, Expand] | None,
+    qg_MD: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    return phase2(phase1(completed, qg_MD, eps), partial, qg_MD, eps)
+
+
+def direct(
+    sources: Sequence[tuple[torch.Tensor, Expand]], qg_MD: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over all sources: (z_MBTD, alpha_SMBT). Test reference and metrics path."""
+    Es, logits = zip(*(_streams_and_logits(s, ex, qg_MD, eps) for s, ex in sources))
+    alpha_SMBT = torch.softmax(torch.stack(logits), dim=0)
+    E_SMBTD = torch.stack(Es)
+    return torch.einsum("smbt,smbtd->mbtd", alpha_SMBT.to(E_SMBTD.dtype), E_SMBTD), alpha_SMBT

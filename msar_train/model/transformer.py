@@ -1,0 +1,54 @@
+"""The DeepSeekMoE Transformer: a list of pipeline-ready layers whose fold is the forward."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from msar_train.model.init import init_layer_
+from msar_train.model.layers import Block, EmbedLayer, HeadLayer
+from msar_train.model.moe import MoE
+from msar_train.residual import build_backend
+
+
+class Transformer(nn.Module):
+    """``layers()`` = ``[EmbedLayer, Block x n_layers, HeadLayer]``; ``forward`` folds over it.
+
+    Weights are initialised per layer from ``seed`` (``model/init.py``), so any contiguous slice of
+    ``layers()`` built elsewhere (a pipeline stage) gets identical parameters.
+    """
+
+    def __init__(self, model_cfg, residual_cfg, document_mask: bool = False, seed: int = 0):
+        super().__init__()
+        self.cfg = model_cfg
+        self.document_mask = document_mask
+        self.backend = build_backend(residual_cfg, model_cfg.n_layers, model_cfg.d_model, model_cfg.norm_eps, model_cfg.init_std)
+        self.embed = EmbedLayer(model_cfg, self.backend, document_mask)
+        self.blocks = nn.ModuleList(Block(model_cfg, self.backend, i, document_mask) for i in range(model_cfg.n_layers))
+        self.head = HeadLayer(model_cfg, self.backend, document_mask, tied=self.embed.tok if model_cfg.tie_embeddings else None)
+        self.reset_parameters(seed)
+
+    def layers(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def reset_parameters(self, seed: int) -> None:
+        for idx, layer in enumerate(self.layers()):
+            init_layer_(layer, seed, idx, self.cfg.init_std)
+
+    def moe_layers(self) -> list[MoE]:
+        return [b.ffn for b in self.blocks if b.is_moe]
+
+    def forward(self, ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None):
+        """Returns ``(logits_BTV, aux_loss)``."""
+        x = (ids_BT, doc_ids_BT, positions_BT) if self.document_mask else ids_BT
+        for layer in self.layers():
+            x = layer(x)
+        return x
+
+
+def lm_loss(outputs: tuple[torch.Tensor, torch.Tensor], labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total loss = next-token CE + MoE aux, CE alone). ``labels`` are already shifted; -100 ignored."""
+    logits_BTV, aux = outputs
+    ce = F.cross_entropy(logits_BTV.float().reshape(-1, logits_BTV.shape[-1]), labels_BT.reshape(-1), ignore_index=-100)
+    return ce + aux.float(), ce

@@ -1,0 +1,92 @@
+"""The residual-backend protocol.
+
+A residual backend turns the usual ``h + f(h)`` into something richer. What it carries between
+branches is a fixed-arity tuple of tensors (its *state*): exactly what a pipeline engine sends
+between stages. Blocks never learn what is inside the state; they only hand each site a branch
+callable ``h_BTD -> f(h_BTD)``.
+
+Legend: B batch, T sequence, D d_model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+from torch import nn
+
+State = tuple[torch.Tensor, ...]
+Branch = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class SeqContext:
+    """Per-batch sequence facts every branch and residual site may need.
+
+    doc_ids_BT: document id of each token (None = one document per row: plain causal masking).
+    positions_BT: RoPE positions (None = 0..T-1); reset per document under document masking.
+    """
+
+    doc_ids_BT: torch.Tensor | None = None
+    positions_BT: torch.Tensor | None = None
+
+
+class ResidualSite(nn.Module, ABC):
+    """One residual branch's connection: ``forward(state, branch, ctx) -> state``."""
+
+    @abstractmethod
+    def forward(self, state: State, branch: Branch, ctx: SeqContext) -> State: ...
+
+
+class ResidualBackend(ABC):
+    """Factory for the modules of one residual variant, built once per model.
+
+    ``n_branches`` = L = 2 * n_layers; branch ``l`` (1-based, as in the spec) is sublayer
+    ``sublayer`` (0 = attention, 1 = FFN/MoE) of block ``layer_idx``: ``l = 2 * layer_idx + sublayer + 1``.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg, n_layers: int, d_model: int, norm_eps: float, init_std: float):
+        self.cfg = cfg
+        self.n_layers = n_layers
+        self.n_branches = 2 * n_layers
+        self.d_model = d_model
+        self.norm_eps = norm_eps
+        self.init_std = init_std
+
+    @abstractmethod
+    def build_entry(self) -> nn.Module:
+        """Module mapping the embedding output h_BTD to the initial state (lives in EmbedLayer)."""
+
+    @abstractmethod
+    def build_site(self, layer_idx: int, sublayer: int) -> ResidualSite:
+        """The site for one branch (lives in its Block)."""
+
+    @abstractmethod
+    def build_exit(self) -> nn.Module:
+        """Module mapping ``(state, ctx)`` to h_BTD before the final norm (lives in HeadLayer)."""
+
+    @abstractmethod
+    def state_shapes(self, after_layer: int, batch: int, seq: int) -> list[tuple[int, ...]]:
+        """Shapes of the state tensors after ``after_layer`` transformer blocks (0 = after the
+        embedding). This is what crosses a pipeline cut placed there."""
+
+    def branch_index(self, layer_idx: int, sublayer: int) -> int:
+        return 2 * layer_idx + sublayer + 1
+
+
+REGISTRY: dict[str, type[ResidualBackend]] = {}
+
+
+def register(cls: type[ResidualBackend]) -> type[ResidualBackend]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def build_backend(cfg, n_layers: int, d_model: int, norm_eps: float, init_std: float) -> ResidualBackend:
+    if cfg.name not in REGISTRY:
+        raise ValueError(f"residual.name={cfg.name!r} is not one of {sorted(REGISTRY)}")
+    return REGISTRY[cfg.name](cfg, n_layers, d_model, norm_eps, init_std)

@@ -1,0 +1,179 @@
+"""Shared machinery of the depth-attention backends (Block/Full AttnRes and MSAR).
+
+State carried between branches (and pipeline stages): ``(*completed, partial)`` or ``(*completed,)``
+-- all single-stream ``[B,T,D]``. ``completed`` = ``[b_0, ..., b_{n-1}]`` (b_0 is the embedding
+output); ``partial`` = ``b_n^{<l}``. Whether a partial is present is static (BlockLayout), so the
+tuple's arity at every cut is known without running the model. Expanded streams are never stored in
+the state: each target recomputes them from the single-stream summaries.
+
+Legend: M streams, B batch, T sequence, D d_model, K conv taps.
+"""
+
+from __future__ import annotations
+
+from functools import partial as bind
+
+import torch
+from torch import nn
+
+from msar_train.kernels import depth_attention as da
+from msar_train.model.init import tag_init
+from msar_train.residual.base import Branch, ResidualBackend, ResidualSite, SeqContext, State
+from msar_train.residual.layout import BlockLayout
+
+
+class SourceExpansion(nn.Module):
+    """The M streams of one source j: identity plus causal depthwise convs whose weights belong to
+    the *source* (shared by every target that reads it)."""
+
+    def __init__(self, d_model: int, num_streams: int, kernel_sizes: list[int], conv: bool):
+        super().__init__()
+        self.num_streams = num_streams
+        self.conv = conv
+        self.weights = nn.ParameterList()
+        if conv:
+            for k in kernel_sizes:
+                # Init: causal moving average of width k (docs/decisions.md): the streams start as
+                # distinct multi-scale smoothings, so depth attention sees diverse keys at step 0.
+                w = nn.Parameter(torch.full((k, d_model), 1.0 / k))
+                self.weights.append(tag_init(w, "const", 1.0 / k))
+
+    def forward(self, s_BTD: torch.Tensor, doc_ids_BT: torch.Tensor | None) -> list[torch.Tensor]:
+        if not self.conv:
+            return [s_BTD] * self.num_streams
+        return [s_BTD] + [da.causal_depthwise_conv(s_BTD, w, doc_ids_BT) for w in self.weights]
+
+
+class DepthTarget(nn.Module):
+    """Parameters and forward of one target l: per-stream pseudo-queries, key norms, and fusion."""
+
+    def __init__(
+        self, d_model: int, num_streams: int, fusion: str, fusion_scale_init: float, eps: float, init_std: float, single_source: bool = False
+    ):
+        super().__init__()
+        M = num_streams
+        self.eps = eps
+        # A target that only ever sees one source (branch 1 reads b_0 alone) has softmax weight 1
+        # whatever its query: it gets no query/key-norm parameters, which could never learn.
+        self.single_source = single_source
+        if not single_source:
+            self.query = tag_init(nn.Parameter(torch.zeros(M, d_model)), "zeros")  # zero-init: uniform weights
+            self.key_norm = tag_init(nn.Parameter(torch.ones(M, d_model)), "ones")
+        self.fusion = fusion
+        if fusion == "adaptive":
+            self.fusion_scale = tag_init(nn.Parameter(torch.tensor(float(fusion_scale_init))), "const", fusion_scale_init)
+            self.fusion_weight = tag_init(nn.Parameter(torch.empty(M * d_model, M)), "normal", init_std)
+            self.fusion_bias = tag_init(nn.Parameter(torch.zeros(M)), "zeros")
+
+    def qg(self) -> torch.Tensor:
+        return self.query * self.key_norm  # q . (g * k_hat) == (q * g) . k_hat
+
+    def fuse(self, z_MBTD: torch.Tensor) -> torch.Tensor:
+        if self.fusion == "mean":
+            return z_MBTD.mean(0)
+        M, B, T, D = z_MBTD.shape
+        flat_BTX = z_MBTD.permute(1, 2, 0, 3).reshape(B, T, M * D)
+        H_BTM = torch.sigmoid(self.fusion_scale * (da.rms_normalize(flat_BTX, self.eps) @ self.fusion_weight) + self.fusion_bias)
+        return torch.einsum("btm,mbtd->btd", H_BTM.to(z_MBTD.dtype), z_MBTD)
+
+    def fusion_weights(self, z_MBTD: torch.Tensor) -> torch.Tensor:
+        """H per token (for metrics); mean fusion reports 1/M."""
+        if self.fusion == "mean":
+            M, B, T, _ = z_MBTD.shape
+            return z_MBTD.new_full((B, T, M), 1.0 / M)
+        M, B, T, D = z_MBTD.shape
+        flat = da.rms_normalize(z_MBTD.permute(1, 2, 0, 3).reshape(B, T, M * D), self.eps)
+        return torch.sigmoid(self.fusion_scale * (flat @ self.fusion_weight) + self.fusion_bias)
+
+    def forward(self, completed, partial, ctx: SeqContext) -> torch.Tensor:
+        if self.single_source:
+            (s_BTD, expand), = completed
+            return self.fuse(torch.stack(expand(s_BTD)))
+        return self.fuse(da.two_phase(completed, partial, self.qg(), self.eps))
+
+
+class DepthBackend(ResidualBackend):
+    """Block/Full depth attention; subclasses fix the stream setup."""
+
+    num_streams: int
+    kernel_sizes: list[int]
+    fusion: str
+    conv: bool
+
+    def __init__(self, cfg, n_layers: int, d_model: int, norm_eps: float, init_std: float):
+        super().__init__(cfg, n_layers, d_model, norm_eps, init_std)
+        n_blocks = self.n_branches if cfg.n_blocks is None else cfg.n_blocks
+        self.layout = BlockLayout(self.n_branches, n_blocks)
+        # Source j's expansion is shared by every target reading it; built once per process.
+        self._banks: dict[int, SourceExpansion] = {}
+
+    def bank(self, j: int) -> SourceExpansion:
+        if j not in self._banks:
+            self._banks[j] = SourceExpansion(self.d_model, self.num_streams, self.kernel_sizes, self.conv)
+        return self._banks[j]
+
+    def _target(self, single_source: bool = False) -> DepthTarget:
+        scale = getattr(self.cfg, "fusion_scale_init", 0.01)
+        return DepthTarget(self.d_model, self.num_streams, self.fusion, scale, self.norm_eps, self.init_std, single_source)
+
+    def build_entry(self) -> nn.Module:
+        return _Entry()
+
+    def build_site(self, layer_idx: int, sublayer: int) -> ResidualSite:
+        return DepthSite(self, self.branch_index(layer_idx, sublayer))
+
+    def build_exit(self) -> nn.Module:
+        return DepthExit(self)
+
+    def state_shapes(self, after_layer: int, batch: int, seq: int) -> list[tuple[int, ...]]:
+        n_completed, has_partial = self.layout.state_after(2 * after_layer)
+        return [(batch, seq, self.d_model)] * (n_completed + int(has_partial))
+
+
+class _Entry(nn.Module):
+    def forward(self, h_BTD: torch.Tensor) -> State:
+        return (h_BTD,)  # b_0
+
+
+def _sources(banks: nn.ModuleList, tensors, ctx: SeqContext):
+    return [(s, bind(banks[j], doc_ids_BT=ctx.doc_ids_BT)) for j, s in enumerate(tensors)]
+
+
+class DepthSite(ResidualSite):
+    def __init__(self, backend: DepthBackend, branch: int):
+        super().__init__()
+        lay = backend.layout
+        self.branch = branch
+        self.block = lay.block_of(branch)  # n
+        self.has_partial = not lay.is_first(branch)
+        self.target = backend._target(single_source=self.block == 1 and not self.has_partial)
+        # Sources b_0..b_{n-1} plus the partial of block n (which uses source n's expansion).
+        self.banks = nn.ModuleList([backend.bank(j) for j in range(self.block + 1)])
+
+    def forward(self, state: State, branch: Branch, ctx: SeqContext) -> State:
+        completed = state[: self.block]
+        partial = state[self.block] if self.has_partial else None
+        assert len(state) == self.block + int(self.has_partial), "state arity does not match the block layout"
+        srcs = _sources(self.banks, completed, ctx)
+        psrc = None if partial is None else (partial, bind(self.banks[self.block], doc_ids_BT=ctx.doc_ids_BT))
+        h_BTD = self.target(srcs, psrc, ctx)
+        v_BTD = branch(h_BTD)
+        # When this branch ends its block the partial becomes the completed summary b_n: same tuple.
+        return (*completed, v_BTD if partial is None else partial + v_BTD)
+
+
+class DepthExit(nn.Module):
+    """Output aggregation: target L+1 attends over all completed summaries b_0..b_N."""
+
+    def __init__(self, backend: DepthBackend):
+        super().__init__()
+        self.n_sources = backend.layout.n_blocks + 1
+        self.target = backend._target()
+        self.banks = nn.ModuleList([backend.bank(j) for j in range(self.n_sources)])
+
+    def forward(self, state: State, ctx: SeqContext) -> torch.Tensor:
+        assert len(state) == self.n_sources
+        return self.target(_sources(self.banks, state, ctx), None, ctx)
+
+
+__all__ = ["DepthBackend", "DepthExit", "DepthSite", "DepthTarget", "SourceExpansion"]

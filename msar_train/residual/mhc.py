@@ -1,0 +1,99 @@
+"""Manifold-constrained Hyper-Connections (DeepSeek, arXiv 2512.24880).
+
+State: ``(x_BTND,)`` -- N parallel residual streams per token (N = ``mhc_streams``), so a pipeline cut
+carries N times the vanilla payload. Per branch, from ``x' = RMSNorm(flatten(x))``:
+``Hpre = sigmoid(a_pre x'Wpre + b_pre)`` [N], ``Hpost = 2 sigmoid(a_post x'Wpost + b_post)`` [N],
+``Hres = Sinkhorn(a_res mat(x'Wres) + b_res)`` [N,N] (doubly stochastic), and
+``x <- Hres x + Hpost^T f(Hpre x)``.
+
+Legend: B batch, T sequence, N streams, D d_model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from msar_train.kernels.depth_attention import rms_normalize
+from msar_train.model.init import tag_init
+from msar_train.residual.base import Branch, ResidualBackend, ResidualSite, SeqContext, State, register
+
+
+def sinkhorn(logits_BTNN: torch.Tensor, iters: int) -> torch.Tensor:
+    """Doubly-stochastic projection of exp(logits), in fp32 (exp underflow kills gradients in bf16)."""
+    x = logits_BTNN.float()
+    M = torch.exp(x - x.amax(dim=(-1, -2), keepdim=True))  # a global scale does not change the result
+    for _ in range(iters):
+        M = M / M.sum(-1, keepdim=True)  # rows
+        M = M / M.sum(-2, keepdim=True)  # columns
+    return M
+
+
+class MHCSite(ResidualSite):
+    def __init__(self, n: int, d_model: int, iters: int, scale_init: float, res_diag_init: float, eps: float, init_std: float):
+        super().__init__()
+        self.n, self.iters, self.eps = n, iters, eps
+        nd = n * d_model
+        self.w_pre = tag_init(nn.Parameter(torch.empty(nd, n)), "normal", init_std)
+        self.w_post = tag_init(nn.Parameter(torch.empty(nd, n)), "normal", init_std)
+        self.w_res = tag_init(nn.Parameter(torch.empty(nd, n * n)), "normal", init_std)
+        self.a_pre = tag_init(nn.Parameter(torch.tensor(scale_init)), "const", scale_init)
+        self.a_post = tag_init(nn.Parameter(torch.tensor(scale_init)), "const", scale_init)
+        self.a_res = tag_init(nn.Parameter(torch.tensor(scale_init)), "const", scale_init)
+        # Hpre starts at 1/n (reads the stream mean), Hpost at 1 (writes f to every stream), Hres near
+        # identity: with n equal copies of the embedding the first forward then equals vanilla's.
+        pre0 = math.log(1.0 / (n - 1)) if n > 1 else 20.0  # logit(1/n)
+        self.b_pre = tag_init(nn.Parameter(torch.full((n,), pre0)), "const", pre0)
+        self.b_post = tag_init(nn.Parameter(torch.zeros(n)), "zeros")
+        self.b_res = tag_init(nn.Parameter(torch.eye(n) * res_diag_init), "eye", res_diag_init)
+
+    def maps(self, x_BTND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(Hpre_BTN, Hpost_BTN, Hres_BTNN) for the current state."""
+        B, T, N, D = x_BTND.shape
+        xn = rms_normalize(x_BTND.reshape(B, T, N * D), self.eps)
+        h_pre = torch.sigmoid(self.a_pre * (xn @ self.w_pre) + self.b_pre)
+        h_post = 2.0 * torch.sigmoid(self.a_post * (xn @ self.w_post) + self.b_post)
+        h_res = sinkhorn(self.a_res * (xn @ self.w_res).reshape(B, T, N, N) + self.b_res, self.iters)
+        return h_pre, h_post, h_res
+
+    def forward(self, state: State, branch: Branch, ctx: SeqContext) -> State:
+        (x_BTND,) = state
+        h_pre, h_post, h_res = self.maps(x_BTND)
+        dt = x_BTND.dtype
+        f_BTD = branch(torch.einsum("btn,btnd->btd", h_pre.to(dt), x_BTND))
+        mixed = torch.einsum("btij,btjd->btid", h_res.to(dt), x_BTND)
+        return (mixed + h_post.to(dt).unsqueeze(-1) * f_BTD.unsqueeze(-2),)
+
+
+class _Entry(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def forward(self, h_BTD: torch.Tensor) -> State:
+        return (h_BTD.unsqueeze(-2).expand(*h_BTD.shape[:-1], self.n, h_BTD.shape[-1]).contiguous(),)
+
+
+class _Exit(nn.Module):
+    def forward(self, state: State, ctx: SeqContext) -> torch.Tensor:
+        return state[0].mean(-2)  # mean of the streams (the final RMSNorm removes any scale)
+
+
+@register
+class MHCBackend(ResidualBackend):
+    name = "mhc"
+
+    def build_entry(self) -> nn.Module:
+        return _Entry(self.cfg.mhc_streams)
+
+    def build_site(self, layer_idx: int, sublayer: int) -> ResidualSite:
+        c = self.cfg
+        return MHCSite(c.mhc_streams, self.d_model, c.sinkhorn_iters, c.mhc_scale_init, c.mhc_res_diag_init, self.norm_eps, self.init_std)
+
+    def build_exit(self) -> nn.Module:
+        return _Exit()
+
+    def state_shapes(self, after_layer: int, batch: int, seq: int) -> list[tuple[int, ...]]:
+        return [(batch, seq, self.cfg.mhc_streams, self.d_model)]

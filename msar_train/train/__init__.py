@@ -1,0 +1,1 @@
+"""Training: optimizer and schedules, the trainer loop, metrics, CLIs."""

@@ -1,0 +1,45 @@
+"""``msar-train [hydra overrides]``: compose the config and train (single process).
+
+Examples: ``msar-train residual=attnres model=tiny trainer.max_steps=30``;
+``msar-train --cfg residual=msar_m2`` prints the composed config and exits.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from omegaconf import OmegaConf
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    # Launchers (deepspeed) may append --local_rank=N; it is read from the environment instead.
+    args = [a for a in args if not a.startswith("--local_rank")]
+    if "-h" in args or "--help" in args:
+        print(__doc__)
+        return 0
+    show_cfg = "--cfg" in args
+    args = [a for a in args if a != "--cfg"]
+
+    from msar_train.config import compose_config
+
+    try:
+        cfg = compose_config(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"msar-train: {e}", file=sys.stderr)
+        return 2
+    if show_cfg:
+        print(OmegaConf.to_yaml(cfg))
+        return 0
+
+    from msar_train.train.trainer import Trainer
+
+    result = Trainer(cfg).fit()
+    val = "n/a" if result.val_loss is None else f"{result.val_loss:.4f}"
+    print(f"final step={result.steps} train/loss={result.train_loss:.4f} val/loss={val}")
+    print(f"run dir: {result.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
