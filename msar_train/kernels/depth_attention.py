@@ -3,7 +3,8 @@
 Legend: S sources, M streams, B batch, T sequence, D d_model, K conv taps.
 
 A *source* is one single-stream tensor ``s_BTD`` plus an ``expand`` callable that returns its M streams
-``[E_0[s], ..., E_{M-1}[s]]`` (stream 0 is the identity). For target ``l`` and stream ``r`` the logit of
+stacked, ``E_MBTD`` (stream 0 is the identity), and their weightless-RMS-normalised keys ``khat_MBTD``
+(see ``expand_keys``; callers may cache the pair per source, since every later target reads it). For target ``l`` and stream ``r`` the logit of
 source ``j`` is ``(q_r * g_r) . RMSNorm(E_r[s_j])`` (the key-norm weight g folded into the query) and
 the output is ``z_r = sum_j softmax_j(logit) E_r[s_j]``.
 
@@ -19,7 +20,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-Expand = Callable[[torch.Tensor], list[torch.Tensor]]
+Expand = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,31 +59,43 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _streams_and_logits(
-    s_BTD: torch.Tensor, expand: Expand, qg_MD: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    E_MBTD = torch.stack(expand(s_BTD))
-    sd = _stat_dtype(s_BTD.dtype)
-    logit_MBT = torch.einsum("mbtd,md->mbt", rms_normalize(E_MBTD.to(sd), eps), qg_MD.to(sd))
-    return E_MBTD, logit_MBT
+def expand_keys(streams: list[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E_MBTD, khat_MBTD) from a source's stream list; keys in the statistics dtype."""
+    E_MBTD = torch.stack(streams)
+    return E_MBTD, rms_normalize(E_MBTD.to(_stat_dtype(E_MBTD.dtype)), eps)
+
+
+def _streams_and_logits(s_BTD: torch.Tensor, expand: Expand, qg_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    E_MBTD, khat_MBTD = expand(s_BTD)
+    M, B, T, D = khat_MBTD.shape
+    # One (B*T, D) @ (D, 1) product per stream: einsum would pick a bmm batched over tokens.
+    logit = torch.bmm(khat_MBTD.reshape(M, B * T, D), qg_MD.to(khat_MBTD.dtype).unsqueeze(-1))
+    return E_MBTD, logit.view(M, B, T)
+
+
+def _weighted_sum(p_SMBT: torch.Tensor, Es: Sequence[torch.Tensor]) -> torch.Tensor:
+    """sum_j p_j * E_j over sources, accumulated (no S-times stacked copy of the streams)."""
+    out = None
+    for p_MBT, E_MBTD in zip(p_SMBT, Es):
+        term = p_MBT.unsqueeze(-1).to(E_MBTD.dtype) * E_MBTD
+        out = term if out is None else out + term
+    return out
 
 
 def phase1(sources: Sequence[tuple[torch.Tensor, Expand]], qg_MD: torch.Tensor, eps: float) -> Phase1:
     """Reduce the completed sources of a block for one target (all streams at once)."""
-    Es, logits = zip(*(_streams_and_logits(s, ex, qg_MD, eps) for s, ex in sources))
+    Es, logits = zip(*(_streams_and_logits(s, ex, qg_MD) for s, ex in sources))
     L_SMBT = torch.stack(logits)
     mx_MBT = L_SMBT.amax(0)
     p_SMBT = torch.exp(L_SMBT - mx_MBT)
-    E_SMBTD = torch.stack(Es)
-    o_MBTD = torch.einsum("smbt,smbtd->mbtd", p_SMBT.to(E_SMBTD.dtype), E_SMBTD)
-    return Phase1(o_MBTD, mx_MBT, p_SMBT.sum(0))
+    return Phase1(_weighted_sum(p_SMBT, Es), mx_MBT, p_SMBT.sum(0))
 
 
 def phase2(p1: Phase1, partial: tuple[torch.Tensor, Expand] | None, qg_MD: torch.Tensor, eps: float) -> torch.Tensor:
     """Online-softmax merge of the partial source into phase 1's statistics; returns z_MBTD."""
     if partial is None:
         return p1.o_MBTD / p1.se_MBT.unsqueeze(-1).to(p1.o_MBTD.dtype)
-    E2_MBTD, l2_MBT = _streams_and_logits(partial[0], partial[1], qg_MD, eps)
+    E2_MBTD, l2_MBT = _streams_and_logits(partial[0], partial[1], qg_MD)
     M = torch.maximum(p1.mx_MBT, l2_MBT)
     w1, w2 = torch.exp(p1.mx_MBT - M), torch.exp(l2_MBT - M)
     den = (w1 * p1.se_MBT + w2).unsqueeze(-1)
@@ -103,7 +116,6 @@ def direct(
     sources: Sequence[tuple[torch.Tensor, Expand]], qg_MD: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over all sources: (z_MBTD, alpha_SMBT). Test reference and metrics path."""
-    Es, logits = zip(*(_streams_and_logits(s, ex, qg_MD, eps) for s, ex in sources))
+    Es, logits = zip(*(_streams_and_logits(s, ex, qg_MD) for s, ex in sources))
     alpha_SMBT = torch.softmax(torch.stack(logits), dim=0)
-    E_SMBTD = torch.stack(Es)
-    return torch.einsum("smbt,smbtd->mbtd", alpha_SMBT.to(E_SMBTD.dtype), E_SMBTD), alpha_SMBT
+    return _weighted_sum(alpha_SMBT, Es), alpha_SMBT

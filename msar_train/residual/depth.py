@@ -11,8 +11,6 @@ Legend: M streams, B batch, T sequence, D d_model, K conv taps.
 
 from __future__ import annotations
 
-from functools import partial as bind
-
 import torch
 from torch import nn
 
@@ -74,7 +72,7 @@ class DepthTarget(nn.Module):
         M, B, T, D = z_MBTD.shape
         flat_BTX = z_MBTD.permute(1, 2, 0, 3).reshape(B, T, M * D)
         H_BTM = torch.sigmoid(self.fusion_scale * (da.rms_normalize(flat_BTX, self.eps) @ self.fusion_weight) + self.fusion_bias)
-        return torch.einsum("btm,mbtd->btd", H_BTM.to(z_MBTD.dtype), z_MBTD)
+        return (H_BTM.permute(2, 0, 1).unsqueeze(-1).to(z_MBTD.dtype) * z_MBTD).sum(0)
 
     def fusion_weights(self, z_MBTD: torch.Tensor) -> torch.Tensor:
         """H per token (for metrics); mean fusion reports 1/M."""
@@ -87,8 +85,8 @@ class DepthTarget(nn.Module):
 
     def forward(self, completed, partial, ctx: SeqContext) -> torch.Tensor:
         if self.single_source:
-            (s_BTD, expand), = completed
-            return self.fuse(torch.stack(expand(s_BTD)))
+            ((s_BTD, expand),) = completed
+            return self.fuse(expand(s_BTD)[0])
         return self.fuse(da.two_phase(completed, partial, self.qg(), self.eps))
 
 
@@ -135,8 +133,24 @@ class _Entry(nn.Module):
         return (h_BTD,)  # b_0
 
 
-def _sources(banks: nn.ModuleList, tensors, ctx: SeqContext):
-    return [(s, bind(banks[j], doc_ids_BT=ctx.doc_ids_BT)) for j, s in enumerate(tensors)]
+def expanded(bank: SourceExpansion, s_BTD: torch.Tensor, doc_ids_BT: torch.Tensor | None, eps: float):
+    """(E_MBTD, khat_MBTD) of one source, memoised on the source tensor itself.
+
+    Every later target of the forward reads the same source, so its expansion is computed once per
+    forward instead of once per target. The memo lives exactly as long as the tensor (a recomputed
+    forward, e.g. under activation checkpointing, creates new tensors and recomputes)."""
+    memo = s_BTD.__dict__.setdefault("_msar_expanded", {})
+    # Any in-place change of the source or of the conv weights (an optimizer step) invalidates.
+    stamp = (doc_ids_BT, s_BTD._version, tuple(w._version for w in bank.weights))
+    hit = memo.get(id(bank))
+    if hit is None or hit[0][0] is not doc_ids_BT or hit[0][1:] != stamp[1:]:
+        hit = (stamp, da.expand_keys(bank(s_BTD, doc_ids_BT), eps))
+        memo[id(bank)] = hit
+    return hit[1]
+
+
+def _expander(bank: SourceExpansion, ctx: SeqContext, eps: float):
+    return lambda s_BTD: expanded(bank, s_BTD, ctx.doc_ids_BT, eps)
 
 
 class DepthSite(ResidualSite):
@@ -154,8 +168,9 @@ class DepthSite(ResidualSite):
         completed = state[: self.block]
         partial = state[self.block] if self.has_partial else None
         assert len(state) == self.block + int(self.has_partial), "state arity does not match the block layout"
-        srcs = _sources(self.banks, completed, ctx)
-        psrc = None if partial is None else (partial, bind(self.banks[self.block], doc_ids_BT=ctx.doc_ids_BT))
+        eps = self.target.eps
+        srcs = [(s, _expander(self.banks[j], ctx, eps)) for j, s in enumerate(completed)]
+        psrc = None if partial is None else (partial, _expander(self.banks[self.block], ctx, eps))
         h_BTD = self.target(srcs, psrc, ctx)
         v_BTD = branch(h_BTD)
         # When this branch ends its block the partial becomes the completed summary b_n: same tuple.
@@ -173,7 +188,8 @@ class DepthExit(nn.Module):
 
     def forward(self, state: State, ctx: SeqContext) -> torch.Tensor:
         assert len(state) == self.n_sources
-        return self.target(_sources(self.banks, state, ctx), None, ctx)
+        eps = self.target.eps
+        return self.target([(s, _expander(self.banks[j], ctx, eps)) for j, s in enumerate(state)], None, ctx)
 
 
 __all__ = ["DepthBackend", "DepthExit", "DepthSite", "DepthTarget", "SourceExpansion"]

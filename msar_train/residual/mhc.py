@@ -62,8 +62,8 @@ class MHCSite(ResidualSite):
         (x_BTND,) = state
         h_pre, h_post, h_res = self.maps(x_BTND)
         dt = x_BTND.dtype
-        f_BTD = branch(torch.einsum("btn,btnd->btd", h_pre.to(dt), x_BTND))
-        mixed = torch.einsum("btij,btjd->btid", h_res.to(dt), x_BTND)
+        f_BTD = branch((h_pre.to(dt).unsqueeze(-1) * x_BTND).sum(-2))
+        mixed = torch.matmul(h_res.to(dt), x_BTND)
         return (mixed + h_post.to(dt).unsqueeze(-1) * f_BTD.unsqueeze(-2),)
 
 

@@ -113,7 +113,10 @@ class Trainer:
         return ratios
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self) -> float | None:
+        """Mean next-token loss over the first ``eval_batches`` validation batches (None: no split)."""
+        if self.data.val is None:
+            return None
         self.model.eval()
         losses = [self._forward(b)[1].item() for b in self.data.val.batches(self.cfg.trainer.eval_batches)]
         self.model.train()
@@ -137,7 +140,8 @@ class Trainer:
                     m["train/loss_avg"] = train_loss
                     if self.step % t.eval_every == 0 or self.step == t.max_steps:
                         val_loss = self.evaluate()
-                        m["val/loss"] = val_loss
+                        if val_loss is not None:
+                            m["val/loss"] = val_loss
                     self.metrics.log(self.step, m)
                 bar.update(self.step, m)
         self.metrics.close()

@@ -130,7 +130,7 @@ def test_two_phase_equals_direct_softmax(m_streams, conv):
         for bk in banks:
             for w in bk.weights:
                 w.copy_(torch.randn(w.shape, generator=g, dtype=torch.float64))
-    srcs = [(torch.randn(B, T, D, generator=g, dtype=torch.float64) * (j + 1), lambda s, bk=banks[j]: bk(s, None)) for j in range(5)]
+    srcs = [(torch.randn(B, T, D, generator=g, dtype=torch.float64) * (j + 1), lambda s, bk=banks[j]: da.expand_keys(bk(s, None), 1e-6)) for j in range(5)]
     qg = torch.randn(m_streams, D, generator=g, dtype=torch.float64) * 3
     z_direct, alpha = da.direct(srcs, qg, 1e-6)
     z_two = da.two_phase(srcs[:4], srcs[4], qg, 1e-6)
@@ -167,3 +167,19 @@ def test_split_layers_equals_whole_forward(name):
         for layer in layers[k:]:
             carry = layer(carry)
         assert torch.equal(carry[0], whole[0]) and torch.equal(carry[1], whole[1])
+
+
+def test_expansion_memo_is_invalidated_by_weight_updates():
+    m = build(preset("msar", n_blocks=4), n_layers=2)
+    perturb_residual(m)
+    x = ids(seq=10)
+    carry = m.embed(x)
+    out1 = m.blocks[0](carry)
+    with torch.no_grad():
+        for bank in m.backend._banks.values():
+            for w in bank.weights:
+                w.mul_(1.5)  # an in-place update, like an optimizer step
+    out2 = m.blocks[0](carry)  # same input tensors: the memo must not serve stale expansions
+    fresh = m.blocks[0](tuple(t.clone() for t in carry))
+    assert all(torch.equal(a, b) for a, b in zip(out2, fresh))
+    assert not all(torch.equal(a, b) for a, b in zip(out1, out2))
