@@ -8,7 +8,7 @@ No torch import here (composition must stay cheap and importable anywhere).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any
 
 
 @dataclass
@@ -36,7 +36,7 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 4  # < n_heads: grouped-query attention
-    head_dim: Optional[int] = None  # default d_model // n_heads
+    head_dim: int | None = None  # default d_model // n_heads
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
@@ -51,13 +51,14 @@ class ModelConfig:
 class ResidualConfig:
     name: str = "msar"  # vanilla | mhc | attnres | msar
     # attnres / msar: number of summary blocks; null = one block per branch (Full variant)
-    n_blocks: Optional[int] = 8
+    n_blocks: int | None = 8
     # msar
     num_streams: int = 4
     kernel_sizes: list[int] = field(default_factory=lambda: [4, 8, 12])  # one per stream r >= 1
     fusion: str = "adaptive"  # adaptive | mean
     expansion: str = "conv"  # conv | none
     fusion_scale_init: float = 0.01  # a_l
+    kernel: str = "torch"  # attnres/msar depth attention: torch (memory-lean) | triton (fused) | compile (torch.compile'd torch path)
     # mhc
     mhc_streams: int = 4
     sinkhorn_iters: int = 20
@@ -70,7 +71,7 @@ class DataConfig:
     # built-in corpus (shakespeare | ptb) prepared into cache_dir when `path` is null
     corpus: str = "shakespeare"
     # directory made by msar-prepare-data (meta.json + tokenizer.json + token shards); null = use `corpus`
-    path: Optional[str] = None
+    path: str | None = None
     # built-in corpora, their prepared shards and the datasets cache; relative = under the repo root
     cache_dir: str = "${oc.env:MSAR_CACHE,.cache/msar}"
     tokenizer_vocab_size: int = 4096  # byte-level BPE trained for `corpus` (ignored with `path`)
@@ -80,14 +81,12 @@ class DataConfig:
     verify_checksums: bool = True  # sha256 every shard at open (turn off for huge, trusted data)
     num_proc: int = 2  # tokenizer processes when preparing `corpus`
     # refuse data tokenized with another tokenizer (sha256 of its tokenizer.json); null = no check
-    expected_tokenizer_sha256: Optional[str] = None
+    expected_tokenizer_sha256: str | None = None
 
 
 @dataclass
 class TrainerConfig:
     max_steps: int = 200
-    micro_batch_size: int = 8
-    grad_accum: int = 1
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -102,20 +101,35 @@ class TrainerConfig:
     eval_batches: int = 8
     log_every: int = 10
     seed: int = 1234
-    run_dir: Optional[str] = None  # default runs/<experiment>-<timestamp>
-    device: str = "cpu"
-    dtype: str = "float32"  # float32 | bfloat16
+    run_dir: str | None = None  # default runs/<experiment>-<timestamp>
     progress: bool = True  # rich progress display
-    threads: Optional[int] = None  # torch.set_num_threads; null = leave as is
+    threads: int | None = None  # torch.set_num_threads; null = leave as is
+
+
+@dataclass
+class ParallelConfig:
+    """How training is spread over ranks (DeepSpeed). Every run goes through ``deepspeed.initialize``."""
+
+    pp_stages: int = 1  # pipeline stages (PipelineModule over Transformer.layers())
+    ep_size: int = 1  # expert parallelism inside each stage's data-parallel group
+    zero_stage: int = 0  # 0 | 1 | 2 (2 only without pipeline parallelism)
+    micro_batch_size: int = 8  # per data-parallel rank
+    grad_accum: int = 1  # micro-batches per optimizer step
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
+    activation_checkpointing: bool = False  # torch.utils.checkpoint (non-reentrant) per layer
+    partition_method: str = "blocks"  # uniform | parameters | blocks (cuts on summary-block boundaries)
+    dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    dist_timeout_s: int = 300  # process-group timeout: a missing rank fails instead of hanging
+    deepspeed_overrides: dict[str, Any] = field(default_factory=dict)  # raw DeepSpeed config keys, merged last
 
 
 @dataclass
 class LoggerConfig:
     mode: str = "disabled"  # online | offline | disabled (wandb); JSONL is always written
     project: str = "msar-train"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-    name: Optional[str] = None
+    entity: str | None = None
+    group: str | None = None
+    name: str | None = None
     tags: list[str] = field(default_factory=list)
 
 
@@ -131,5 +145,6 @@ class TrainConfig:
     residual: ResidualConfig = field(default_factory=ResidualConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from omegaconf import DictConfig
 
@@ -26,7 +27,9 @@ def _positive(cfg_node, prefix: str, names: list[str]) -> None:
 
 
 def validate_model(m: DictConfig) -> None:
-    _positive(m, "model", ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "dense_hidden", "init_std", "rope_theta"])
+    _positive(
+        m, "model", ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "dense_hidden", "init_std", "rope_theta"]
+    )
     if m.n_heads % m.n_kv_heads:
         _fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
     head_dim = m.head_dim or m.d_model // m.n_heads
@@ -61,10 +64,15 @@ def validate_residual(r: DictConfig, n_layers: int) -> None:
         _fail("residual.n_blocks", r.n_blocks, f"must be in [1, {n_branches}] (2 * model.n_layers branches) or null (Full)")
     _choice("residual.fusion", r.fusion, {"adaptive", "mean"})
     _choice("residual.expansion", r.expansion, {"conv", "none"})
+    _choice("residual.kernel", r.kernel, {"torch", "triton", "compile"})
     if r.num_streams < 1:
         _fail("residual.num_streams", r.num_streams, "must be >= 1")
     if r.name == "msar" and r.expansion == "conv" and len(r.kernel_sizes) != r.num_streams - 1:
-        _fail("residual.kernel_sizes", list(r.kernel_sizes), f"needs one size per extra stream: {r.num_streams - 1} for residual.num_streams={r.num_streams}")
+        _fail(
+            "residual.kernel_sizes",
+            list(r.kernel_sizes),
+            f"needs one size per extra stream: {r.num_streams - 1} for residual.num_streams={r.num_streams}",
+        )
     for k in r.kernel_sizes:
         if k < 1:
             _fail("residual.kernel_sizes", list(r.kernel_sizes), "every kernel size must be >= 1")
@@ -75,7 +83,7 @@ def validate_residual(r: DictConfig, n_layers: int) -> None:
 
 
 def validate_trainer(t: DictConfig) -> None:
-    _positive(t, "trainer", ["max_steps", "micro_batch_size", "grad_accum", "lr", "eval_every", "eval_batches", "log_every"])
+    _positive(t, "trainer", ["max_steps", "lr", "eval_every", "eval_batches", "log_every"])
     if t.warmup_steps < 0:
         _fail("trainer.warmup_steps", t.warmup_steps, "must be >= 0")
     _choice("trainer.schedule", t.schedule, {"cosine", "wsd", "constant"})
@@ -85,7 +93,63 @@ def validate_trainer(t: DictConfig) -> None:
         _fail("trainer.wsd_decay_fraction", t.wsd_decay_fraction, "must be in (0, 1]")
     if t.grad_clip < 0:
         _fail("trainer.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
-    _choice("trainer.dtype", t.dtype, {"float32", "bfloat16"})
+
+
+def validate_parallel(p: DictConfig, cfg: DictConfig, world_size: int | None) -> None:
+    """``world_size``: known from the launcher's WORLD_SIZE at compose time, else checked again at start."""
+    _positive(p, "parallel", ["pp_stages", "ep_size", "micro_batch_size", "grad_accum", "dist_timeout_s"])
+    _choice("parallel.dtype", p.dtype, {"auto", "float32", "bfloat16"})
+    _choice("parallel.dist_backend", p.dist_backend, {"auto", "gloo", "nccl"})
+    _choice("parallel.partition_method", p.partition_method, {"uniform", "parameters", "blocks"})
+    _choice("parallel.zero_stage", p.zero_stage, {0, 1, 2})
+    n_layers = cfg.model.n_layers
+    if p.pp_stages > n_layers:
+        _fail("parallel.pp_stages", p.pp_stages, f"must be <= model.n_layers={n_layers} (every stage needs a block)")
+    if p.pp_stages > 1 and p.zero_stage >= 2:
+        _fail("parallel.zero_stage", p.zero_stage, "ZeRO-2/3 partition gradients, which pipeline parallelism does not support: use 0 or 1")
+    if p.pp_stages > 1 and cfg.model.tie_embeddings:
+        _fail(
+            "model.tie_embeddings", True, "tied embeddings across pipeline stages are not supported; untie them or use parallel.pp_stages=1"
+        )
+    if cfg.model.moe.n_routed % p.ep_size:
+        _fail("parallel.ep_size", p.ep_size, f"must divide model.moe.n_routed={cfg.model.moe.n_routed}")
+    if p.ep_size > 1 and cfg.model.first_k_dense >= n_layers:
+        _fail("parallel.ep_size", p.ep_size, "the model has no MoE layer (model.first_k_dense >= model.n_layers)")
+    if world_size is not None:
+        validate_world(p, world_size)
+    ov = p.deepspeed_overrides
+    if "train_micro_batch_size_per_gpu" in ov and ov["train_micro_batch_size_per_gpu"] != p.micro_batch_size:
+        _fail(
+            "parallel.deepspeed_overrides.train_micro_batch_size_per_gpu",
+            ov["train_micro_batch_size_per_gpu"],
+            f"disagrees with parallel.micro_batch_size={p.micro_batch_size}",
+        )
+    if "gradient_accumulation_steps" in ov and ov["gradient_accumulation_steps"] != p.grad_accum:
+        _fail(
+            "parallel.deepspeed_overrides.gradient_accumulation_steps",
+            ov["gradient_accumulation_steps"],
+            f"disagrees with parallel.grad_accum={p.grad_accum}",
+        )
+
+
+def validate_world(p: DictConfig, world_size: int) -> None:
+    """Checks that need the number of ranks."""
+    if world_size % p.pp_stages:
+        _fail("parallel.pp_stages", p.pp_stages, f"must divide the world size {world_size}")
+    dp = world_size // p.pp_stages
+    if dp % p.ep_size:
+        _fail(
+            "parallel.ep_size",
+            p.ep_size,
+            f"must divide the data-parallel size {dp} (= world {world_size} / parallel.pp_stages {p.pp_stages})",
+        )
+    tb = p.deepspeed_overrides.get("train_batch_size") if p.deepspeed_overrides else None
+    if tb is not None and tb != p.micro_batch_size * p.grad_accum * dp:
+        _fail(
+            "parallel.deepspeed_overrides.train_batch_size",
+            tb,
+            f"must equal parallel.micro_batch_size * parallel.grad_accum * data-parallel size = {p.micro_batch_size}*{p.grad_accum}*{dp}",
+        )
 
 
 def check_known_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
@@ -102,9 +166,11 @@ def check_known_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
 
 def validate(cfg: DictConfig) -> None:
     check_known_keys(cfg, TrainConfig)
+    world = os.environ.get("WORLD_SIZE")
     validate_model(cfg.model)
     validate_residual(cfg.residual, cfg.model.n_layers)
     validate_trainer(cfg.trainer)
+    validate_parallel(cfg.parallel, cfg, int(world) if world else None)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         _fail("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
     _choice("logger.mode", cfg.logger.mode, {"online", "offline", "disabled"})

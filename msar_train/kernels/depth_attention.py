@@ -4,7 +4,8 @@ Legend: S sources, M streams, B batch, T sequence, D d_model, K conv taps.
 
 A *source* is one single-stream tensor ``s_BTD`` plus an ``expand`` callable that returns its M streams
 stacked, ``E_MBTD`` (stream 0 is the identity), and their weightless-RMS-normalised keys ``khat_MBTD``
-(see ``expand_keys``; callers may cache the pair per source, since every later target reads it). For target ``l`` and stream ``r`` the logit of
+(see ``expand_keys``; callers may cache the pair per source, since every later target reads it).
+For target ``l`` and stream ``r`` the logit of
 source ``j`` is ``(q_r * g_r) . RMSNorm(E_r[s_j])`` (the key-norm weight g folded into the query) and
 the output is ``z_r = sum_j softmax_j(logit) E_r[s_j]``.
 
@@ -15,7 +16,8 @@ update. ``direct`` is the plain one-softmax form used as the test reference.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -112,9 +114,7 @@ def two_phase(
     return phase2(phase1(completed, qg_MD, eps), partial, qg_MD, eps)
 
 
-def direct(
-    sources: Sequence[tuple[torch.Tensor, Expand]], qg_MD: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def direct(sources: Sequence[tuple[torch.Tensor, Expand]], qg_MD: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over all sources: (z_MBTD, alpha_SMBT). Test reference and metrics path."""
     Es, logits = zip(*(_streams_and_logits(s, ex, qg_MD) for s, ex in sources))
     alpha_SMBT = torch.softmax(torch.stack(logits), dim=0)

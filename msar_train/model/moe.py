@@ -63,25 +63,19 @@ class Router(nn.Module):
         super().__init__()
         E, G = cfg.n_routed, cfg.n_group
         if cfg.score_func not in _SCORE_FUNCS:
-            raise ValueError(
-                f"score_func must be one of {_SCORE_FUNCS}, got {cfg.score_func!r}"
-            )
+            raise ValueError(f"score_func must be one of {_SCORE_FUNCS}, got {cfg.score_func!r}")
         if not 1 <= cfg.top_k <= E:
             raise ValueError(f"top_k={cfg.top_k} must lie in [1, n_routed={E}]")
         if G < 1 or E % G != 0:
             raise ValueError(f"n_group={G} must be >= 1 and divide n_routed={E}")
         if G > 1 and not 1 <= cfg.topk_group <= G:
-            raise ValueError(
-                f"topk_group={cfg.topk_group} must lie in [1, n_group={G}]"
-            )
+            raise ValueError(f"topk_group={cfg.topk_group} must lie in [1, n_group={G}]")
         if G > 1 and cfg.top_k > cfg.topk_group * (E // G):
             raise ValueError("top_k exceeds the experts available in the kept groups")
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(E, d_model))
         nn.init.normal_(self.weight, std=d_model**-0.5)
-        self.register_buffer(
-            "expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True
-        )
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Router:
         super()._apply(fn, recurse)
@@ -103,9 +97,7 @@ class Router(nn.Module):
         keep_NG.scatter_(1, group_NG.topk(cfg.topk_group, dim=-1).indices, True)
         return biased_NGP.masked_fill(~keep_NG[:, :, None], float("-inf")).view(N, E)
 
-    def _aux_loss(
-        self, scores_NE: torch.Tensor, idx_NK: torch.Tensor, seq_len: int
-    ) -> torch.Tensor:
+    def _aux_loss(self, scores_NE: torch.Tensor, idx_NK: torch.Tensor, seq_len: int) -> torch.Tensor:
         cfg = self.cfg
         N, E = scores_NE.shape
         K = idx_NK.shape[-1]
@@ -118,18 +110,12 @@ class Router(nn.Module):
             probs_NE = scores_NE / (scores_NE.sum(dim=-1, keepdim=True) + 1e-20)
         loss = scores_NE.new_zeros(())
         if cfg.aux_loss_coef != 0:
-            loss = loss + cfg.aux_loss_coef * balance_loss(
-                probs_NE.view(1, N, E), idx_NK.view(1, N, K)
-            )
+            loss = loss + cfg.aux_loss_coef * balance_loss(probs_NE.view(1, N, E), idx_NK.view(1, N, K))
         if cfg.seq_aux_loss_coef != 0:
             if N % seq_len != 0:
-                raise ValueError(
-                    f"{N} tokens do not split into sequences of length {seq_len}"
-                )
+                raise ValueError(f"{N} tokens do not split into sequences of length {seq_len}")
             S = N // seq_len
-            loss = loss + cfg.seq_aux_loss_coef * balance_loss(
-                probs_NE.view(S, seq_len, E), idx_NK.view(S, seq_len, K)
-            )
+            loss = loss + cfg.seq_aux_loss_coef * balance_loss(probs_NE.view(S, seq_len, E), idx_NK.view(S, seq_len, K))
         return loss
 
     def forward(self, x_ND: torch.Tensor, seq_len: int | None = None) -> RouterOutput:
@@ -155,12 +141,8 @@ class Router(nn.Module):
             weight_NK = weight_NK / (weight_NK.sum(dim=-1, keepdim=True) + 1e-20)
         weight_NK = weight_NK * cfg.routed_scaling_factor
 
-        aux = self._aux_loss(
-            scores_NE, idx_NK, seq_len if seq_len is not None else x_ND.shape[0]
-        )
-        return RouterOutput(
-            idx_NK=idx_NK, weight_NK=weight_NK, scores_NE=scores_NE, aux_loss=aux
-        )
+        aux = self._aux_loss(scores_NE, idx_NK, seq_len if seq_len is not None else x_ND.shape[0])
+        return RouterOutput(idx_NK=idx_NK, weight_NK=weight_NK, scores_NE=scores_NE, aux_loss=aux)
 
 
 class MoE(nn.Module):
@@ -170,16 +152,10 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = Router(cfg, d_model)
-        self.experts = nn.ModuleList(
-            SwiGLU(d_model, cfg.expert_hidden) for _ in range(cfg.n_routed)
-        )
+        self.experts = nn.ModuleList(SwiGLU(d_model, cfg.expert_hidden) for _ in range(cfg.n_routed))
         # n_shared always-on experts fused into one wider SwiGLU: the hidden units of separate
         # experts are independent, so concatenating them and summing in w_down is identical.
-        self.shared: SwiGLU | None = (
-            SwiGLU(d_model, cfg.expert_hidden * cfg.n_shared)
-            if cfg.n_shared > 0
-            else None
-        )
+        self.shared: SwiGLU | None = SwiGLU(d_model, cfg.expert_hidden * cfg.n_shared) if cfg.n_shared > 0 else None
         # Selected-token counts since the last consume_load(); not checkpointed (transient).
         self.register_buffer(
             "load_counts",
@@ -247,6 +223,4 @@ class MoE(nn.Module):
         counts_E = counts_E.to(device=bias_E.device, dtype=torch.float64)
         if counts_E.sum() <= 0:
             return
-        bias_E += (
-            self.cfg.bias_update_rate * torch.sign(counts_E.mean() - counts_E)
-        ).to(bias_E.dtype)
+        bias_E += (self.cfg.bias_update_rate * torch.sign(counts_E.mean() - counts_E)).to(bias_E.dtype)

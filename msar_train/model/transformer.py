@@ -12,6 +12,17 @@ from msar_train.model.moe import MoE
 from msar_train.residual import build_backend
 
 
+def layer_specs(model_cfg, backend, document_mask: bool = False) -> list[tuple[type, tuple]]:
+    """``(class, args)`` of every entry of ``Transformer.layers()``: the one recipe that both the
+    single-process model and a pipeline engine (LayerSpec) build from. Untied head; the Transformer
+    ties it itself when asked."""
+    return [
+        (EmbedLayer, (model_cfg, backend, document_mask)),
+        *[(Block, (model_cfg, backend, i, document_mask)) for i in range(model_cfg.n_layers)],
+        (HeadLayer, (model_cfg, backend, document_mask)),
+    ]
+
+
 class Transformer(nn.Module):
     """``layers()`` = ``[EmbedLayer, Block x n_layers, HeadLayer]``; ``forward`` folds over it.
 
@@ -24,9 +35,11 @@ class Transformer(nn.Module):
         self.cfg = model_cfg
         self.document_mask = document_mask
         self.backend = build_backend(residual_cfg, model_cfg.n_layers, model_cfg.d_model, model_cfg.norm_eps, model_cfg.init_std)
-        self.embed = EmbedLayer(model_cfg, self.backend, document_mask)
-        self.blocks = nn.ModuleList(Block(model_cfg, self.backend, i, document_mask) for i in range(model_cfg.n_layers))
-        self.head = HeadLayer(model_cfg, self.backend, document_mask, tied=self.embed.tok if model_cfg.tie_embeddings else None)
+        specs = layer_specs(model_cfg, self.backend, document_mask)
+        self.embed = specs[0][0](*specs[0][1])
+        self.blocks = nn.ModuleList(cls(*args) for cls, args in specs[1:-1])
+        tied = self.embed.tok if model_cfg.tie_embeddings else None
+        self.head = specs[-1][0](*specs[-1][1], tied=tied)
         self.reset_parameters(seed)
 
     def layers(self) -> list[nn.Module]:

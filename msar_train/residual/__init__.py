@@ -1,5 +1,7 @@
 """Residual backends behind one protocol (see ``base.py``); variants register themselves by name."""
 
+# Importing the variant modules registers them.
+from msar_train.residual import attnres, mhc, msar, vanilla  # noqa: E402,F401
 from msar_train.residual.base import (
     REGISTRY,
     ResidualBackend,
@@ -8,8 +10,5 @@ from msar_train.residual.base import (
     build_backend,
     register,
 )
-
-# Importing the variant modules registers them.
-from msar_train.residual import attnres, mhc, msar, vanilla  # noqa: E402,F401
 
 __all__ = ["REGISTRY", "ResidualBackend", "ResidualSite", "SeqContext", "build_backend", "register"]

@@ -11,8 +11,9 @@ Legend: B batch, T sequence, D d_model.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -33,8 +34,41 @@ class SeqContext:
     positions_BT: torch.Tensor | None = None
 
 
-class ResidualSite(nn.Module, ABC):
-    """One residual branch's connection: ``forward(state, branch, ctx) -> state``."""
+class Diagnosable:
+    """Mixin for residual modules (sites, exits) that can record diagnostics of their forward.
+
+    ``residual/diagnostics.py:record_diagnostics`` sets ``recording`` on an instance for a while;
+    the class default keeps it off, so an unrecorded forward pays one attribute check. Recorded
+    values are summed over the forwards of one recording and ``diagnostics()`` returns their mean.
+    ``target_index`` is the spec's ``l`` the module serves (1..L for sites, L+1 for the output
+    aggregation); None when the module does not know it.
+    """
+
+    recording: bool = False
+    target_index: int | None = None
+
+    def diagnostics(self) -> dict[str, torch.Tensor]:
+        """Means over the forwards recorded since the last ``clear_diagnostics`` ({} when none)."""
+        acc = self.__dict__.get("_diag_acc")
+        return {k: total / n for k, (total, n) in acc.items()} if acc else {}
+
+    def clear_diagnostics(self) -> None:
+        self.__dict__.pop("_diag_acc", None)
+
+    def record(self, values: dict[str, torch.Tensor]) -> None:
+        """Add one forward's values (detached, fp32) to the running sums."""
+        acc = self.__dict__.setdefault("_diag_acc", {})
+        for k, v in values.items():
+            total, n = acc.get(k, (0.0, 0))
+            acc[k] = (v.detach().float() + total, n + 1)
+
+
+class ResidualSite(Diagnosable, nn.Module, ABC):
+    """One residual branch's connection: ``forward(state, branch, ctx) -> state``.
+
+    Sites that support diagnostics record them in ``forward`` when ``self.recording`` is set
+    (see ``Diagnosable``); the default records nothing and ``diagnostics()`` returns ``{}``.
+    """
 
     @abstractmethod
     def forward(self, state: State, branch: Branch, ctx: SeqContext) -> State: ...
@@ -73,6 +107,16 @@ class ResidualBackend(ABC):
     def state_shapes(self, after_layer: int, batch: int, seq: int) -> list[tuple[int, ...]]:
         """Shapes of the state tensors after ``after_layer`` transformer blocks (0 = after the
         embedding). This is what crosses a pipeline cut placed there."""
+
+    def is_cut_point(self, after_layer: int) -> bool:
+        """Whether a pipeline cut after ``after_layer`` blocks sends no partial state (block-aligned)."""
+        return True
+
+    def shared_modules(self) -> dict[str, nn.Module]:
+        """Modules built by this process that several layers share (keyed stably across processes).
+        Under pipeline parallelism each stage holding one keeps a replica; the engine sums their
+        gradients over those stages, like tied embeddings."""
+        return {}
 
     def branch_index(self, layer_idx: int, sublayer: int) -> int:
         return 2 * layer_idx + sublayer + 1

@@ -11,12 +11,15 @@ Legend: M streams, B batch, T sequence, D d_model, K conv taps.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from msar_train.kernels import depth_attention as da
+from msar_train.kernels.dispatch import DepthKernel
 from msar_train.model.init import tag_init
-from msar_train.residual.base import Branch, ResidualBackend, ResidualSite, SeqContext, State
+from msar_train.residual.base import Branch, Diagnosable, ResidualBackend, ResidualSite, SeqContext, State
 from msar_train.residual.layout import BlockLayout
 
 
@@ -46,11 +49,21 @@ class DepthTarget(nn.Module):
     """Parameters and forward of one target l: per-stream pseudo-queries, key norms, and fusion."""
 
     def __init__(
-        self, d_model: int, num_streams: int, fusion: str, fusion_scale_init: float, eps: float, init_std: float, single_source: bool = False
+        self,
+        d_model: int,
+        num_streams: int,
+        fusion: str,
+        fusion_scale_init: float,
+        eps: float,
+        init_std: float,
+        single_source: bool = False,
+        kernel=None,
     ):
         super().__init__()
         M = num_streams
         self.eps = eps
+        # The model's DepthKernel (kernels/dispatch.py); None = the plain two-phase reference path.
+        self.__dict__["_kernel"] = kernel
         # A target that only ever sees one source (branch 1 reads b_0 alone) has softmax weight 1
         # whatever its query: it gets no query/key-norm parameters, which could never learn.
         self.single_source = single_source
@@ -59,7 +72,7 @@ class DepthTarget(nn.Module):
             self.key_norm = tag_init(nn.Parameter(torch.ones(M, d_model)), "ones")
         self.fusion = fusion
         if fusion == "adaptive":
-            self.fusion_scale = tag_init(nn.Parameter(torch.tensor(float(fusion_scale_init))), "const", fusion_scale_init)
+            self.fusion_scale = tag_init(nn.Parameter(torch.full((1,), float(fusion_scale_init))), "const", fusion_scale_init)
             self.fusion_weight = tag_init(nn.Parameter(torch.empty(M * d_model, M)), "normal", init_std)
             self.fusion_bias = tag_init(nn.Parameter(torch.zeros(M)), "zeros")
 
@@ -84,6 +97,9 @@ class DepthTarget(nn.Module):
         return torch.sigmoid(self.fusion_scale * (flat @ self.fusion_weight) + self.fusion_bias)
 
     def forward(self, completed, partial, ctx: SeqContext) -> torch.Tensor:
+        kernel = self.__dict__.get("_kernel")
+        if kernel is not None:
+            return kernel.forward(self, [s for s, _ in completed], None if partial is None else partial[0], ctx.doc_ids_BT)
         if self.single_source:
             ((s_BTD, expand),) = completed
             return self.fuse(expand(s_BTD)[0])
@@ -104,15 +120,22 @@ class DepthBackend(ResidualBackend):
         self.layout = BlockLayout(self.n_branches, n_blocks)
         # Source j's expansion is shared by every target reading it; built once per process.
         self._banks: dict[int, SourceExpansion] = {}
+        self.kernel = DepthKernel(getattr(cfg, "kernel", "torch"), self.num_streams, self.bank)
 
     def bank(self, j: int) -> SourceExpansion:
         if j not in self._banks:
             self._banks[j] = SourceExpansion(self.d_model, self.num_streams, self.kernel_sizes, self.conv)
         return self._banks[j]
 
+    def is_cut_point(self, after_layer: int) -> bool:
+        return not self.layout.state_after(2 * after_layer)[1]
+
+    def shared_modules(self) -> dict[str, nn.Module]:
+        return {f"source{j}": bank for j, bank in sorted(self._banks.items())}
+
     def _target(self, single_source: bool = False) -> DepthTarget:
         scale = getattr(self.cfg, "fusion_scale_init", 0.01)
-        return DepthTarget(self.d_model, self.num_streams, self.fusion, scale, self.norm_eps, self.init_std, single_source)
+        return DepthTarget(self.d_model, self.num_streams, self.fusion, scale, self.norm_eps, self.init_std, single_source, self.kernel)
 
     def build_entry(self) -> nn.Module:
         return _Entry()
@@ -153,11 +176,39 @@ def _expander(bank: SourceExpansion, ctx: SeqContext, eps: float):
     return lambda s_BTD: expanded(bank, s_BTD, ctx.doc_ids_BT, eps)
 
 
+@torch.no_grad()
+def depth_diagnostics(target: DepthTarget, sources) -> dict[str, torch.Tensor]:
+    """What one target's forward looks like (recording only; recomputed with the one-softmax
+    ``direct`` path, so the training path stays untouched). ``sources`` = ``[b_0, ..., (partial)]``
+    as (tensor, expand) pairs: source ``j`` is ``b_j`` (the partial uses its block's index ``n``).
+
+    depth_alpha [S, M]: softmax weights over sources per stream, mean over batch and tokens;
+    depth_entropy [M]: per-token entropy of those weights over log(S) (1 = uniform; 0 when S = 1);
+    fusion_weights [M]: the fusion gates H (1/M under mean fusion), mean over batch and tokens.
+    """
+    if target.single_source:
+        ((s_BTD, expand),) = sources
+        z_MBTD = expand(s_BTD)[0]
+        M = z_MBTD.shape[0]
+        alpha_SM = z_MBTD.new_ones(1, M, dtype=torch.float32)
+        entropy_M = z_MBTD.new_zeros(M, dtype=torch.float32)
+    else:
+        z_MBTD, alpha_SMBT = da.direct(sources, target.qg(), target.eps)
+        alpha_SMBT = alpha_SMBT.float()
+        alpha_SM = alpha_SMBT.mean((2, 3))
+        S = alpha_SMBT.shape[0]
+        ent_MBT = -(alpha_SMBT * alpha_SMBT.clamp_min(1e-30).log()).sum(0)
+        entropy_M = ent_MBT.mean((1, 2)) / math.log(S) if S > 1 else torch.zeros_like(ent_MBT[:, 0, 0])
+    fusion_M = target.fusion_weights(z_MBTD).float().mean((0, 1))
+    return {"depth_alpha": alpha_SM, "depth_entropy": entropy_M, "fusion_weights": fusion_M}
+
+
 class DepthSite(ResidualSite):
     def __init__(self, backend: DepthBackend, branch: int):
         super().__init__()
         lay = backend.layout
         self.branch = branch
+        self.target_index = branch  # Diagnosable: the spec's l
         self.block = lay.block_of(branch)  # n
         self.has_partial = not lay.is_first(branch)
         self.target = backend._target(single_source=self.block == 1 and not self.has_partial)
@@ -172,16 +223,19 @@ class DepthSite(ResidualSite):
         srcs = [(s, _expander(self.banks[j], ctx, eps)) for j, s in enumerate(completed)]
         psrc = None if partial is None else (partial, _expander(self.banks[self.block], ctx, eps))
         h_BTD = self.target(srcs, psrc, ctx)
+        if self.recording:
+            self.record(depth_diagnostics(self.target, srcs if psrc is None else [*srcs, psrc]))
         v_BTD = branch(h_BTD)
         # When this branch ends its block the partial becomes the completed summary b_n: same tuple.
         return (*completed, v_BTD if partial is None else partial + v_BTD)
 
 
-class DepthExit(nn.Module):
+class DepthExit(Diagnosable, nn.Module):
     """Output aggregation: target L+1 attends over all completed summaries b_0..b_N."""
 
     def __init__(self, backend: DepthBackend):
         super().__init__()
+        self.target_index = backend.n_branches + 1  # Diagnosable: l = L + 1
         self.n_sources = backend.layout.n_blocks + 1
         self.target = backend._target()
         self.banks = nn.ModuleList([backend.bank(j) for j in range(self.n_sources)])
@@ -189,7 +243,10 @@ class DepthExit(nn.Module):
     def forward(self, state: State, ctx: SeqContext) -> torch.Tensor:
         assert len(state) == self.n_sources
         eps = self.target.eps
-        return self.target([(s, _expander(self.banks[j], ctx, eps)) for j, s in enumerate(state)], None, ctx)
+        srcs = [(s, _expander(self.banks[j], ctx, eps)) for j, s in enumerate(state)]
+        if self.recording:
+            self.record(depth_diagnostics(self.target, srcs))
+        return self.target(srcs, None, ctx)
 
 
 __all__ = ["DepthBackend", "DepthExit", "DepthSite", "DepthTarget", "SourceExpansion"]

@@ -31,6 +31,15 @@ def sinkhorn(logits_BTNN: torch.Tensor, iters: int) -> torch.Tensor:
     return M
 
 
+@torch.no_grad()
+def hres_diagnostics(h_res_BTNN: torch.Tensor) -> dict[str, torch.Tensor]:
+    """mhc_ds_err []: per-token max |row or column sum - 1| of Hres (distance from doubly
+    stochastic after the finite Sinkhorn), mean over tokens; mhc_hres [N, N]: mean Hres."""
+    h = h_res_BTNN.float()
+    dev = torch.maximum((h.sum(-1) - 1).abs().amax(-1), (h.sum(-2) - 1).abs().amax(-1))
+    return {"mhc_ds_err": dev.mean(), "mhc_hres": h.mean((0, 1))}
+
+
 class MHCSite(ResidualSite):
     def __init__(self, n: int, d_model: int, iters: int, scale_init: float, res_diag_init: float, eps: float, init_std: float):
         super().__init__()
@@ -39,9 +48,9 @@ class MHCSite(ResidualSite):
         self.w_pre = tag_init(nn.Parameter(torch.empty(nd, n)), "normal", init_std)
         self.w_post = tag_init(nn.Parameter(torch.empty(nd, n)), "normal", init_std)
         self.w_res = tag_init(nn.Parameter(torch.empty(nd, n * n)), "normal", init_std)
-        self.a_pre = tag_init(nn.Parameter(torch.tensor(scale_init)), "const", scale_init)
-        self.a_post = tag_init(nn.Parameter(torch.tensor(scale_init)), "const", scale_init)
-        self.a_res = tag_init(nn.Parameter(torch.tensor(scale_init)), "const", scale_init)
+        self.a_pre = tag_init(nn.Parameter(torch.full((1,), float(scale_init))), "const", scale_init)
+        self.a_post = tag_init(nn.Parameter(torch.full((1,), float(scale_init))), "const", scale_init)
+        self.a_res = tag_init(nn.Parameter(torch.full((1,), float(scale_init))), "const", scale_init)
         # Hpre starts at 1/n (reads the stream mean), Hpost at 1 (writes f to every stream), Hres near
         # identity: with n equal copies of the embedding the first forward then equals vanilla's.
         pre0 = math.log(1.0 / (n - 1)) if n > 1 else 20.0  # logit(1/n)
@@ -61,6 +70,8 @@ class MHCSite(ResidualSite):
     def forward(self, state: State, branch: Branch, ctx: SeqContext) -> State:
         (x_BTND,) = state
         h_pre, h_post, h_res = self.maps(x_BTND)
+        if self.recording:
+            self.record(hres_diagnostics(h_res))
         dt = x_BTND.dtype
         f_BTD = branch((h_pre.to(dt).unsqueeze(-1) * x_BTND).sum(-2))
         mixed = torch.matmul(h_res.to(dt), x_BTND)
@@ -90,7 +101,9 @@ class MHCBackend(ResidualBackend):
 
     def build_site(self, layer_idx: int, sublayer: int) -> ResidualSite:
         c = self.cfg
-        return MHCSite(c.mhc_streams, self.d_model, c.sinkhorn_iters, c.mhc_scale_init, c.mhc_res_diag_init, self.norm_eps, self.init_std)
+        site = MHCSite(c.mhc_streams, self.d_model, c.sinkhorn_iters, c.mhc_scale_init, c.mhc_res_diag_init, self.norm_eps, self.init_std)
+        site.target_index = self.branch_index(layer_idx, sublayer)  # Diagnosable: the spec's l
+        return site
 
     def build_exit(self) -> nn.Module:
         return _Exit()

@@ -35,9 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     from msar_train.train.trainer import Trainer
 
     result = Trainer(cfg).fit()
-    val = "n/a" if result.val_loss is None else f"{result.val_loss:.4f}"
-    print(f"final step={result.steps} train/loss={result.train_loss:.4f} val/loss={val}")
-    print(f"run dir: {result.run_dir}")
+    if result.owns_loss:
+        val = "n/a" if result.val_loss is None else f"{result.val_loss:.4f}"
+        train = "n/a" if result.train_loss is None else f"{result.train_loss:.4f}"
+        print(f"final step={result.steps} train/loss={train} val/loss={val}")
+        print(f"run dir: {result.run_dir}")
     return 0
 
 

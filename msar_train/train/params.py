@@ -22,9 +22,7 @@ def count_params(cfg) -> dict[str, int]:
     for moe in model.moe_layers():
         per_expert = sum(p.numel() for p in moe.experts[0].parameters())
         inactive += (len(moe.experts) - cfg.model.moe.top_k) * per_expert
-    residual = sum(
-        p.numel() for n, p in model.named_parameters() if "_site." in n or n.startswith(("head.exit.", "embed.entry."))
-    )
+    residual = sum(p.numel() for n, p in model.named_parameters() if "_site." in n or n.startswith(("head.exit.", "embed.entry.")))
     return {"total_params": total, "active_params": total - inactive, "residual_params": residual}
 
 

@@ -8,7 +8,7 @@ from msar_train.train.cli import main
 from msar_train.train.metrics import read_metrics
 from tests.unit.helpers import RESIDUAL_PRESETS
 
-FAST = ["model=tiny", "data.seq_len=64", "trainer.micro_batch_size=4", "trainer.log_every=1", "trainer.progress=false"]
+FAST = ["model=tiny", "data.seq_len=64", "parallel.micro_batch_size=4", "trainer.log_every=1", "trainer.progress=false"]
 
 
 def run(tmp_path, name, *extra):
@@ -35,8 +35,8 @@ def test_training_is_deterministic_under_a_seed(tmp_path):
 
 def test_gradient_accumulation_matches_a_larger_batch(tmp_path):
     common = ["residual=vanilla", "model.moe.seq_aux_loss_coef=0", "trainer.max_steps=3", "trainer.eval_every=100"]
-    big = run(tmp_path, "big", *common, "trainer.micro_batch_size=8")
-    acc = run(tmp_path, "acc", *common, "trainer.micro_batch_size=4", "trainer.grad_accum=2")
+    big = run(tmp_path, "big", *common, "parallel.micro_batch_size=8")
+    acc = run(tmp_path, "acc", *common, "parallel.micro_batch_size=4", "parallel.grad_accum=2")
     for x, y in zip(big, acc):
         assert x["train/loss"] == pytest.approx(y["train/loss"], rel=1e-4)
 

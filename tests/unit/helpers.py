@@ -21,7 +21,9 @@ def preset(name: str, **over) -> ResidualConfig:
 
 def model_cfg(n_layers: int = 4, **over) -> ModelConfig:
     moe = MoEConfig(n_routed=4, n_shared=1, top_k=2, expert_hidden=16, score_func="sigmoid", norm_topk_prob=True)
-    base = dict(vocab_size=64, d_model=16, n_layers=n_layers, n_heads=2, n_kv_heads=1, max_seq_len=64, first_k_dense=1, dense_hidden=32, moe=moe)
+    base = dict(
+        vocab_size=64, d_model=16, n_layers=n_layers, n_heads=2, n_kv_heads=1, max_seq_len=64, first_k_dense=1, dense_hidden=32, moe=moe
+    )
     base.update(over)
     return ModelConfig(**base)
 

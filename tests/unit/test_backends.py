@@ -61,7 +61,9 @@ def test_every_parameter_gets_a_gradient(name):
     loss, _ = lm_loss(m(x), x)
     loss.backward()
     idle = {f"blocks.{b.layer_idx}.ffn.experts.{e}." for b in m.blocks if b.is_moe for e in range(4) if b.ffn.last_load[e] == 0}
-    missing = [n for n, p in m.named_parameters() if (p.grad is None or not p.grad.abs().sum() > 0) and not any(n.startswith(i) for i in idle)]
+    missing = [
+        n for n, p in m.named_parameters() if (p.grad is None or not p.grad.abs().sum() > 0) and not any(n.startswith(i) for i in idle)
+    ]
     assert missing == []
 
 
@@ -130,7 +132,10 @@ def test_two_phase_equals_direct_softmax(m_streams, conv):
         for bk in banks:
             for w in bk.weights:
                 w.copy_(torch.randn(w.shape, generator=g, dtype=torch.float64))
-    srcs = [(torch.randn(B, T, D, generator=g, dtype=torch.float64) * (j + 1), lambda s, bk=banks[j]: da.expand_keys(bk(s, None), 1e-6)) for j in range(5)]
+    srcs = [
+        (torch.randn(B, T, D, generator=g, dtype=torch.float64) * (j + 1), lambda s, bk=banks[j]: da.expand_keys(bk(s, None), 1e-6))
+        for j in range(5)
+    ]
     qg = torch.randn(m_streams, D, generator=g, dtype=torch.float64) * 3
     z_direct, alpha = da.direct(srcs, qg, 1e-6)
     z_two = da.two_phase(srcs[:4], srcs[4], qg, 1e-6)

@@ -57,12 +57,8 @@ def moe_reference(moe: MoE, x_BTD: torch.Tensor) -> torch.Tensor:
                 group_score = []
                 for g in range(G):
                     vals = sorted(biased[g * P : (g + 1) * P], reverse=True)
-                    group_score.append(
-                        sum(vals[:2]) if cfg.score_func == "sigmoid" else vals[0]
-                    )
-                best = sorted(range(G), key=lambda g: group_score[g], reverse=True)[
-                    : cfg.topk_group
-                ]
+                    group_score.append(sum(vals[:2]) if cfg.score_func == "sigmoid" else vals[0])
+                best = sorted(range(G), key=lambda g: group_score[g], reverse=True)[: cfg.topk_group]
                 allowed = [e for e in range(E) if e // P in best]
             chosen = sorted(allowed, key=lambda e: biased[e], reverse=True)[: cfg.top_k]
 
@@ -88,9 +84,7 @@ def test_swiglu_formula() -> None:
     f = SwiGLU(D, 24)
     assert all(m.bias is None for m in (f.w_gate, f.w_up, f.w_down))
     x = torch.randn(5, D)
-    want = (
-        F.silu(x @ f.w_gate.weight.t()) * (x @ f.w_up.weight.t())
-    ) @ f.w_down.weight.t()
+    want = (F.silu(x @ f.w_gate.weight.t()) * (x @ f.w_up.weight.t())) @ f.w_down.weight.t()
     torch.testing.assert_close(f(x), want)
 
 
@@ -157,9 +151,7 @@ def test_group_limited_routing_stays_in_top_groups() -> None:
     free = Router(dataclasses.replace(cfg, n_group=1, topk_group=1), D)
     free.load_state_dict(router.state_dict())
     idx_free = free(x).idx_NK
-    assert (
-        not ((idx_free // (E // G))[:, :, None] == top_groups[:, None, :]).any(-1).all()
-    )
+    assert not ((idx_free // (E // G))[:, :, None] == top_groups[:, None, :]).any(-1).all()
 
 
 # --------------------------------------------------------------------------------------- dispatch
@@ -206,9 +198,7 @@ def test_dropless_counts_and_gradients() -> None:
             assert all(g is not None and g.abs().sum() > 0 for g in grads), e
         else:
             assert all(g is None for g in grads), e
-    assert all(
-        p.grad is not None and p.grad.abs().sum() > 0 for p in moe.shared.parameters()
-    )
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in moe.shared.parameters())
     assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
 
 
@@ -225,10 +215,7 @@ def test_low_precision_output_and_fp32_state() -> None:
 
 def test_load_accumulates_in_train_only_and_consume_resets() -> None:
     moe = _moe(seed=6)
-    assert (
-        "router.expert_bias" in moe.state_dict()
-        and "load_counts" not in moe.state_dict()
-    )
+    assert "router.expert_bias" in moe.state_dict() and "load_counts" not in moe.state_dict()
     x = torch.randn(2, 5, D)
     moe.train()
     moe(x)
@@ -243,22 +230,16 @@ def test_load_accumulates_in_train_only_and_consume_resets() -> None:
 def test_bias_update_direction_and_switch() -> None:
     moe = _moe(seed=7, n_routed=4, bias_update_rate=0.1)
     moe.apply_bias_update(torch.tensor([6.0, 2.0, 0.0, 0.0]))  # mean 2
-    torch.testing.assert_close(
-        moe.router.expert_bias, torch.tensor([-0.1, 0.0, 0.1, 0.1])
-    )
+    torch.testing.assert_close(moe.router.expert_bias, torch.tensor([-0.1, 0.0, 0.1, 0.1]))
     moe.apply_bias_update(torch.zeros(4))  # nothing observed: no update
-    torch.testing.assert_close(
-        moe.router.expert_bias, torch.tensor([-0.1, 0.0, 0.1, 0.1])
-    )
+    torch.testing.assert_close(moe.router.expert_bias, torch.tensor([-0.1, 0.0, 0.1, 0.1]))
     off = _moe(seed=7, n_routed=4, bias_update=False)
     off.apply_bias_update(torch.tensor([6.0, 2.0, 0.0, 0.0]))
     assert off.router.expert_bias.abs().sum() == 0
 
 
 def _imbalance_after(updates: int, bias_update: bool) -> tuple[float, float]:
-    moe = _moe(
-        seed=8, score_func="sigmoid", bias_update=bias_update, bias_update_rate=2e-2
-    )
+    moe = _moe(seed=8, score_func="sigmoid", bias_update=bias_update, bias_update_rate=2e-2)
     gen = torch.Generator().manual_seed(9)
     # skew: every token carries a strong component along expert 0's router row
     u = moe.router.weight[0].detach() / moe.router.weight[0].detach().norm()
