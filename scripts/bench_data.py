@@ -72,7 +72,12 @@ def bench_loader(prepared: Path, seq: int, micro_batch: int, n_batches: int, rep
         for _ in range(n_batches):
             tokens += next(loader).input_ids_BT.numel()
         rates.append(tokens / (time.perf_counter() - t))
-    return {"open_s": open_s, "tokens_per_s_median": statistics.median(rates), "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates)}
+    return {
+        "open_s": open_s,
+        "tokens_per_s_median": statistics.median(rates),
+        "tokens_per_s_min": min(rates),
+        "tokens_per_s_max": max(rates),
+    }
 
 
 def bench_training(model: str, residual: str, corpus: str, seq: int, micro_batch: int, steps: int) -> dict:
@@ -139,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|")
     print(f"| BPE training | vocab {args.vocab}, {args.corpus} | {out['bpe_train_s']:.1f} s (when first prepared) |")
     for r in tok:
-        print(f"| tokenization | num_proc={r['num_proc']}, {r['input_mb']:.1f} MB | {r['mb_per_s']:.2f} MB/s, {r['tokens_per_s']:,.0f} tokens/s |")
+        speed = f"{r['mb_per_s']:.2f} MB/s, {r['tokens_per_s']:,.0f} tokens/s"
+        print(f"| tokenization | num_proc={r['num_proc']}, {r['input_mb']:.1f} MB | {speed} |")
     lo = loader
     print(
         f"| loader | seq {args.seq} x batch {args.micro_batch} | {lo['tokens_per_s_median']:,.0f} tokens/s "

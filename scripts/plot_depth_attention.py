@@ -51,9 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.ckpt.exists():
         print(f"plot_depth_attention: error: {a.ckpt}: no such checkpoint", file=sys.stderr)
         return 2
-    from msar_train.train.checkpoint import load_model
-
     from msar_train.data import build_data
+    from msar_train.train.checkpoint import load_model
 
     model, cfg = load_model(a.ckpt)
     data = build_data(cfg.data, model_vocab_size=cfg.model.vocab_size, seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size)

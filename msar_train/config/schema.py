@@ -104,6 +104,13 @@ class TrainerConfig:
     run_dir: str | None = None  # default runs/<experiment>-<timestamp>
     progress: bool = True  # rich progress display
     threads: int | None = None  # torch.set_num_threads; null = leave as is
+    # checkpoints (RUN_DIR/checkpoints/step<N>/, DeepSpeed format + our manifest.json)
+    save_every: int = 100  # steps between checkpoints (one is always written at the end); 0 = only at the end
+    keep_last: int = 3  # verified checkpoints kept; older ones are deleted after each save
+    resume: str = "auto"  # auto (newest valid checkpoint in RUN_DIR/checkpoints, else fresh) | none | PATH
+    max_consecutive_skips: int = 5  # a non-finite loss/grad skips the step; this many in a row stop the run
+    # TEST HOOK: poison the loss with NaN at these (1-based) steps, to exercise step skipping
+    debug_nan_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -118,6 +125,8 @@ class ParallelConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     activation_checkpointing: bool = False  # torch.utils.checkpoint (non-reentrant) per layer
     partition_method: str = "blocks"  # uniform | parameters | blocks (cuts on summary-block boundaries)
+    virtual_stages: int = 1  # V chunks per pipeline rank (chunk c on rank c mod P), interleaved 1F1B when > 1
+    summary_cache: bool = True  # V > 1: cross-stage cache of completed summaries (false: every hop sends all)
     dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     dist_timeout_s: int = 300  # process-group timeout: a missing rank fails instead of hanging
     deepspeed_overrides: dict[str, Any] = field(default_factory=dict)  # raw DeepSpeed config keys, merged last
@@ -125,12 +134,15 @@ class ParallelConfig:
 
 @dataclass
 class LoggerConfig:
-    mode: str = "disabled"  # online | offline | disabled (wandb); JSONL is always written
+    mode: str = "offline"  # online | offline | disabled (wandb); JSONL is always written
     project: str = "msar-train"
     entity: str | None = None
     group: str | None = None
     name: str | None = None
     tags: list[str] = field(default_factory=list)
+    residual_every: int = 50  # steps between residual diagnostics (depth entropy, fusion weights, mHC); 0 = off
+    heatmap_every: int = 100  # steps between depth-attention heatmap images; 0 = off
+    peak_tflops: float | None = None  # per-device peak for MFU (GPU only); null = from the device name
 
 
 @dataclass

@@ -93,6 +93,68 @@ def validate_trainer(t: DictConfig) -> None:
         _fail("trainer.wsd_decay_fraction", t.wsd_decay_fraction, "must be in (0, 1]")
     if t.grad_clip < 0:
         _fail("trainer.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    if t.save_every < 0:
+        _fail("trainer.save_every", t.save_every, "must be >= 0 (0 = save only at the end)")
+    _positive(t, "trainer", ["keep_last", "max_consecutive_skips"])
+    if not str(t.resume).strip():
+        _fail("trainer.resume", t.resume, "must be auto, none or a checkpoint path")
+    for s in t.debug_nan_steps:
+        if not isinstance(s, int) or s < 1:
+            _fail("trainer.debug_nan_steps", list(t.debug_nan_steps), "must list step numbers >= 1")
+
+
+def validate_logger(lg: DictConfig) -> None:
+    _choice("logger.mode", lg.mode, {"online", "offline", "disabled"})
+    for n in ("residual_every", "heatmap_every"):
+        if lg[n] < 0:
+            _fail(f"logger.{n}", lg[n], "must be >= 0 (0 = off)")
+    if lg.peak_tflops is not None and lg.peak_tflops <= 0:
+        _fail("logger.peak_tflops", lg.peak_tflops, "must be > 0 or null")
+
+
+def _chunk_cut_points(cfg: DictConfig) -> int:
+    """Places a pipeline chunk boundary may go: after the embedding or after any block, and with
+    ``partition_method=blocks`` for depth-attention backends only where no partial summary is open
+    (the block split of ``residual/layout.py``: sizes differ by at most one, longer blocks first)."""
+    n = cfg.model.n_layers
+    r = cfg.residual
+    if cfg.parallel.partition_method != "blocks" or r.name not in ("attnres", "msar"):
+        return n + 1
+    L = 2 * n
+    N = L if r.n_blocks is None else r.n_blocks
+    base, extra = divmod(L, N)
+    ends, end = set(), 0
+    for b in range(N):
+        end += base + (1 if b < extra else 0)
+        ends.add(end)
+    return 1 + sum(1 for a in range(1, n + 1) if 2 * a in ends)
+
+
+def validate_virtual_stages(p: DictConfig, cfg: DictConfig) -> None:
+    V = p.virtual_stages
+    if V < 1:
+        _fail("parallel.virtual_stages", V, "must be >= 1")
+    if V == 1:
+        return
+    P = p.pp_stages
+    if P < 2:
+        _fail("parallel.virtual_stages", V, "needs parallel.pp_stages >= 2 (the chunks interleave over pipeline ranks)")
+    if p.grad_accum % P:
+        _fail(
+            "parallel.grad_accum",
+            p.grad_accum,
+            f"must be a multiple of parallel.pp_stages={P}: the interleaved schedule "
+            f"(parallel.virtual_stages={V}) runs micro-batches in groups of P",
+        )
+    cuts = _chunk_cut_points(cfg)
+    if P * V - 1 > cuts:
+        _fail(
+            "parallel.virtual_stages",
+            V,
+            f"{P}*{V}={P * V} chunks need {P * V - 1} cuts but the model allows {cuts} "
+            f"(model.n_layers={cfg.model.n_layers}, parallel.partition_method={p.partition_method}); "
+            "use fewer virtual stages or pipeline stages",
+        )
 
 
 def validate_parallel(p: DictConfig, cfg: DictConfig, world_size: int | None) -> None:
@@ -111,6 +173,7 @@ def validate_parallel(p: DictConfig, cfg: DictConfig, world_size: int | None) ->
         _fail(
             "model.tie_embeddings", True, "tied embeddings across pipeline stages are not supported; untie them or use parallel.pp_stages=1"
         )
+    validate_virtual_stages(p, cfg)
     if cfg.model.moe.n_routed % p.ep_size:
         _fail("parallel.ep_size", p.ep_size, f"must divide model.moe.n_routed={cfg.model.moe.n_routed}")
     if p.ep_size > 1 and cfg.model.first_k_dense >= n_layers:
@@ -129,6 +192,14 @@ def validate_parallel(p: DictConfig, cfg: DictConfig, world_size: int | None) ->
             "parallel.deepspeed_overrides.gradient_accumulation_steps",
             ov["gradient_accumulation_steps"],
             f"disagrees with parallel.grad_accum={p.grad_accum}",
+        )
+    tb = ov.get("train_batch_size")
+    if tb is not None and (not isinstance(tb, int) or tb <= 0 or tb % (p.micro_batch_size * p.grad_accum)):
+        _fail(
+            "parallel.deepspeed_overrides.train_batch_size",
+            tb,
+            "must be parallel.micro_batch_size * parallel.grad_accum * data-parallel size, "
+            f"a multiple of {p.micro_batch_size}*{p.grad_accum}",
         )
 
 
@@ -173,4 +244,4 @@ def validate(cfg: DictConfig) -> None:
     validate_parallel(cfg.parallel, cfg, int(world) if world else None)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         _fail("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
-    _choice("logger.mode", cfg.logger.mode, {"online", "offline", "disabled"})
+    validate_logger(cfg.logger)

@@ -22,6 +22,7 @@ from torch import nn
 
 from msar_train.config.schema import MoEConfig
 from msar_train.model.ffn import SwiGLU
+from msar_train.model.recompute import recomputing
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
 # Counters/biases must not be rounded away when the model is cast to bf16/fp16.
@@ -186,14 +187,13 @@ class MoE(nn.Module):
 
         y_parts: list[torch.Tensor] = []
         start = 0
-        # One host sync per layer to learn the slice sizes.
+        # One host sync per layer to learn the slice sizes. Every expert runs, also on zero rows: each
+        # expert parameter then gets a gradient (zeros) on every data-parallel rank, so hook-driven
+        # gradient reductions (ZeRO-2 buckets) see the same parameters in the same order everywhere.
         for e, c in enumerate(counts_E.tolist()):
-            if c == 0:
-                continue
             y_parts.append(self.experts[e](x_MD[start : start + c]))
             start += c
-        # N == 0 leaves no parts; an empty slice keeps the shapes valid.
-        y_MD = torch.cat(y_parts, dim=0) if y_parts else x_MD
+        y_MD = torch.cat(y_parts, dim=0)
         # Weighting in the routing precision, then back to the activation dtype.
         y_MD = (y_MD.to(w_M.dtype) * w_M[:, None]).to(x_ND.dtype)
         out_ND = torch.zeros_like(x_ND).index_add_(0, token_M, y_MD)
@@ -202,7 +202,7 @@ class MoE(nn.Module):
 
         load_E = counts_E.detach().to(torch.float32)
         self.last_load = load_E
-        if self.training:
+        if self.training and not recomputing():  # an activation-checkpoint recompute is not a new forward
             self.load_counts += load_E.to(self.load_counts.dtype)
         return out_ND.view(B, T, D), r.aux_loss
 

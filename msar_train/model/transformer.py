@@ -9,6 +9,7 @@ from torch import nn
 from msar_train.model.init import init_layer_
 from msar_train.model.layers import Block, EmbedLayer, HeadLayer
 from msar_train.model.moe import MoE
+from msar_train.model.recompute import checkpoint
 from msar_train.residual import build_backend
 
 
@@ -28,7 +29,12 @@ class Transformer(nn.Module):
 
     Weights are initialised per layer from ``seed`` (``model/init.py``), so any contiguous slice of
     ``layers()`` built elsewhere (a pipeline stage) gets identical parameters.
+
+    ``activation_checkpointing``: in training, each block's activations are recomputed in backward
+    (``model/recompute.py``) instead of being kept; set by whoever runs the model (the engine).
     """
+
+    activation_checkpointing: bool = False
 
     def __init__(self, model_cfg, residual_cfg, document_mask: bool = False, seed: int = 0):
         super().__init__()
@@ -56,7 +62,10 @@ class Transformer(nn.Module):
         """Returns ``(logits_BTV, aux_loss)``."""
         x = (ids_BT, doc_ids_BT, positions_BT) if self.document_mask else ids_BT
         for layer in self.layers():
-            x = layer(x)
+            if self.activation_checkpointing and isinstance(layer, Block) and torch.is_grad_enabled():
+                x = checkpoint(layer, x)
+            else:
+                x = layer(x)
         return x
 
 

@@ -9,7 +9,9 @@ the same layer recipe. Both expose the same small surface to the trainer: ``trai
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
+import math
 import os
 import socket
 import sys
@@ -60,6 +62,33 @@ class StepResult:
     grad_norm: float
     lr: float
     moe_load_ratio: float | None  # mean over MoE layers of max/mean expert load (global)
+    skipped: bool = False  # non-finite loss or gradient norm: no parameter, optimizer or schedule update
+    comm_bytes: int | None = None  # pipeline point-to-point bytes of the step (interleaved engine only)
+
+
+def _guarded_loss(base):
+    """The pipeline/plain loss with the two hooks the step guard needs: ``poison`` (TEST HOOK,
+    ``trainer.debug_nan_steps``: the loss becomes NaN, so every gradient does) and a sticky
+    ``nonfinite`` flag raised when any micro-batch loss is not finite."""
+
+    class GuardedLoss(base):
+        poison = False
+        nonfinite = False
+
+        def __call__(self, outputs, labels_BT):
+            total = super().__call__(outputs, labels_BT)
+            if self.poison:
+                total = total * float("nan")
+                self.ce[-1] = self.ce[-1] * float("nan")
+            if not bool(torch.isfinite(total.detach())):
+                self.nonfinite = True
+            return total
+
+        def take_nonfinite(self) -> bool:
+            out, self.nonfinite = self.nonfinite, False
+            return out
+
+    return GuardedLoss()
 
 
 class Engine:
@@ -81,7 +110,7 @@ class Engine:
         self.pipelined = p.pp_stages > 1
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.dtype = resolve_dtype(p, device_type)
-        self.loss_fn = LossFn()
+        self.loss_fn = _guarded_loss(LossFn)
         torch.manual_seed(cfg.trainer.seed)
         expert_groups = None
         if p.ep_size > 1:
@@ -91,10 +120,17 @@ class Engine:
         if self.pipelined:
             m = cfg.model
             backend = build_backend(cfg.residual, m.n_layers, m.d_model, m.norm_eps, m.init_std)
-            model = MSARPipelineModule(cfg, backend, self.loss_fn)
-            self.moe_layers = [f.ffn for f in model.forward_funcs if getattr(f, "is_moe", False)]
+            if p.virtual_stages > 1:
+                from msar_train.parallel.interleaved import InterleavedPipelineModule
+
+                model = InterleavedPipelineModule(cfg, backend, self.loss_fn)
+            else:
+                model = MSARPipelineModule(cfg, backend, self.loss_fn)
+            layers = model.all_layers() if p.virtual_stages > 1 else model.forward_funcs
+            self.moe_layers = [f.ffn for f in layers if getattr(f, "is_moe", False)]
         else:
             model = Transformer(cfg.model, cfg.residual, document_mask=cfg.data.document_mask, seed=cfg.trainer.seed)
+            model.activation_checkpointing = p.activation_checkpointing
             self.moe_layers = model.moe_layers()
         if expert_groups is not None:
             from msar_train.parallel.expert import shard_model_experts
@@ -112,11 +148,16 @@ class Engine:
         sched = build_scheduler(opt, t)
         ds_config = build_ds_config(cfg, self.world, device_type)
         self.ds_config = ds_config
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=ds_config
-        )
+        if self.pipelined and p.virtual_stages > 1:
+            from msar_train.parallel.interleaved import initialize_interleaved
+
+            init = functools.partial(initialize_interleaved, summary_cache=p.summary_cache)
+        else:
+            init = deepspeed.initialize
+        self.engine, self.optimizer, _, self.scheduler = init(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config)
         self.device = self.engine.device
         self._record_grad_norm(expert_groups.ep_group if expert_groups is not None else None)
+        self._install_step_guard()
         if self.pipelined:
             self.stage = self.engine.stage_id
             self.dp_rank = self.engine.grid.data_parallel_id
@@ -143,7 +184,7 @@ class Engine:
         eng = self.engine
         pipe_group = eng.grid.get_pipe_parallel_group() if self.pipelined else None
 
-        def clip_and_record():
+        def clip_and_record(skip_clip: bool = False):
             dense = torch.zeros((), dtype=torch.float64, device=self.device)
             expert = torch.zeros((), dtype=torch.float64, device=self.device)
             grads = []
@@ -166,12 +207,46 @@ class Engine:
             norm = total.sqrt()
             max_norm = eng.gradient_clipping()
             coef = max_norm / (float(norm) + 1e-6)
-            if coef < 1.0:
+            if max_norm > 0 and not skip_clip and math.isfinite(float(norm)) and coef < 1.0:
                 for g in grads:
                     g.mul_(coef)
             eng._global_grad_norm = float(norm)
 
         eng.clip_fp32_gradients = clip_and_record
+        self._clip_and_record = clip_and_record
+
+    def _install_step_guard(self) -> None:
+        """Skip the optimizer step when a micro-batch loss or the global gradient norm is not finite.
+
+        Wraps the instance's ``_take_model_step`` (what ``DeepSpeedEngine.step`` and the pipe
+        engine's ``_exec_optimizer_step`` both call at the accumulation boundary). Without ZeRO / fp16 /
+        bf16 the norm is ours (``_record_grad_norm``): it is computed before the step, and a
+        non-finite norm or loss drops every gradient and sets ``optimizer.overflow``, which sends
+        DeepSpeed down its own overflow path (no parameter or optimizer-state update, LR schedule
+        held, ``skipped_steps`` += 1). With ZeRO / bf16 / fp16 DeepSpeed's optimizer detects a
+        non-finite norm itself and takes the same path. The loss flag is all-reduced over the world:
+        a loss is known only on its data-parallel rank / the last stage, the decision must be common."""
+        import deepspeed.comm as dist
+
+        eng = self.engine
+        orig = eng._take_model_step
+        own_norm = not (eng.fp16_enabled() or eng.bfloat16_enabled() or eng.zero_optimization())
+
+        def take_model_step(lr_kwargs=None):
+            bad = torch.tensor([1.0 if self.loss_fn.take_nonfinite() else 0.0], device=self.device)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            if own_norm:
+                self._clip_and_record(skip_clip=bool(bad.item()))
+                finite = not bad.item() and math.isfinite(eng._global_grad_norm)
+                if not finite:
+                    for p in eng.module.parameters():
+                        p.grad = None
+                eng.optimizer.overflow = not finite
+            orig(lr_kwargs)
+
+        eng._take_model_step = take_model_step
+        if own_norm:
+            eng.clip_fp32_gradients = lambda: None  # clipped above, before the finiteness decision
 
     # ----------------------------------------------------------------------------------- steps
     def _inputs(self, batch):
@@ -189,11 +264,14 @@ class Engine:
         out = self.engine(x) if not isinstance(x, tuple) else self.engine(*x)
         return self.loss_fn(out, batch.labels_BT.to(self.device))
 
-    def train_step(self, batches: list) -> StepResult:
-        """One optimizer step over ``grad_accum`` micro-batches (``batches``)."""
+    def train_step(self, batches: list, poison: bool = False) -> StepResult:
+        """One optimizer step over ``grad_accum`` micro-batches (``batches``). ``poison``: TEST HOOK,
+        the step's loss becomes NaN (``trainer.debug_nan_steps``); the step guard then skips it."""
         import deepspeed.comm as dist
 
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step applies
+        self.loss_fn.poison = poison
+        self.loss_fn.nonfinite = False  # an evaluation since the last step must not decide this one
         if self.pipelined:
             loss = float(self.engine.train_batch(data_iter=self._pipe_iter(batches)))
         else:
@@ -214,16 +292,35 @@ class Engine:
             t = torch.tensor(ce, dtype=torch.float64)
             dist.all_reduce(t, group=self.dp_group)
             ce = float(t) / self.dp_world
+        self.loss_fn.poison = False
         gn = self.engine.get_global_grad_norm()
+        skipped = not self.engine.was_step_applied()
         return StepResult(
             loss=loss,
             ce=ce,
             grad_norm=float(gn) if gn is not None else float("nan"),
             lr=lr,
-            moe_load_ratio=self._update_router_biases(),
+            moe_load_ratio=self._update_router_biases(apply=not skipped),
+            skipped=skipped,
+            comm_bytes=getattr(self.engine, "comm_bytes_last_step", None),
         )
 
-    def _update_router_biases(self) -> float | None:
+    # ----------------------------------------------------------------------------- checkpoints
+    def save(self, save_dir, tag: str, client_state: dict) -> None:
+        """Collective: every rank writes its DeepSpeed files (model or pipeline layer files, expert
+        files, optimizer / ZeRO shards) under ``save_dir/tag``. DeepSpeed's own ``latest`` file is not
+        written: ``train/checkpoint.py`` writes the pointer after the checkpoint is verified."""
+        self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+
+    def load(self, load_dir, tag: str) -> dict:
+        """Collective: restore module (router-bias buffers included), optimizer and LR schedule from
+        ``load_dir/tag``; returns the client state saved with it."""
+        path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"{load_dir}/{tag}: DeepSpeed found no checkpoint to load")
+        return client_state or {}
+
+    def _update_router_biases(self, apply: bool = True) -> float | None:
         """Aux-loss-free balancing after each optimizer step, from the loads summed over the
         data-parallel group so every replica applies the identical update."""
         import deepspeed.comm as dist
@@ -235,7 +332,8 @@ class Engine:
                 dist.all_reduce(counts, group=self.dp_group)
             if counts.sum() > 0:
                 ratios.append(float(counts.max() / counts.mean()))
-            moe.apply_bias_update(counts)
+            if apply:  # a skipped step updates nothing, the selection biases included
+                moe.apply_bias_update(counts)
         acc = torch.tensor([sum(ratios), len(ratios)], dtype=torch.float64, device=self.device)
         if self.pipelined:  # every stage's MoE layers, not only the loss owner's
             dist.all_reduce(acc, group=self.engine.grid.get_pipe_parallel_group())

@@ -61,6 +61,7 @@ from torch import nn
 
 from msar_train.model.ffn import SwiGLU
 from msar_train.model.moe import MoE
+from msar_train.model.recompute import recomputing
 
 __all__ = [
     "ExpertGroups",
@@ -228,7 +229,7 @@ class ExpertParallelMoE(MoE):
 
         load_E = counts_E.detach().to(torch.float32)
         self.last_load = load_E
-        if self.training:
+        if self.training and not recomputing():  # an activation-checkpoint recompute is not a new forward
             self.load_counts += load_E.to(self.load_counts.dtype)
         return out_ND.view(B, T, D), r.aux_loss
 

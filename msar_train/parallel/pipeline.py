@@ -9,13 +9,12 @@ gradient norm.
 
 from __future__ import annotations
 
-import functools
-
 import deepspeed.comm as dist
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 
 from msar_train.model.init import init_layer_
+from msar_train.model.recompute import checkpoint
 from msar_train.model.transformer import layer_specs, lm_loss
 from msar_train.parallel.partition import partition
 
@@ -46,7 +45,6 @@ class MSARPipelineModule(PipelineModule):
         self.backend = backend
         self._parts_override = partition(cfg.model, cfg.residual, cfg.parallel.pp_stages, cfg.parallel.partition_method)
         specs = [LayerSpec(cls, *args) for cls, args in layer_specs(cfg.model, backend, cfg.data.document_mask)]
-        ckpt = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
         super().__init__(
             specs,
             num_stages=None if topology is not None else cfg.parallel.pp_stages,
@@ -54,7 +52,7 @@ class MSARPipelineModule(PipelineModule):
             loss_fn=loss_fn,
             partition_method="uniform",  # replaced by _parts_override in _partition_layers
             activation_checkpoint_interval=1 if cfg.parallel.activation_checkpointing else 0,
-            activation_checkpoint_func=ckpt,
+            activation_checkpoint_func=checkpoint,  # non-reentrant: tuple carries
         )
         for local_idx, layer in enumerate(self.forward_funcs):
             init_layer_(layer, cfg.trainer.seed, local_idx + self._local_start, cfg.model.init_std)

@@ -108,6 +108,10 @@ class ResidualBackend(ABC):
         """Shapes of the state tensors after ``after_layer`` transformer blocks (0 = after the
         embedding). This is what crosses a pipeline cut placed there."""
 
+    def state_names(self, after_layer: int) -> list[str]:
+        """Names of the ``state_shapes(after_layer, ...)`` tensors, in order (for ``msar-plan``)."""
+        return [f"state{i}" for i in range(len(self.state_shapes(after_layer, 1, 1)))]
+
     def is_cut_point(self, after_layer: int) -> bool:
         """Whether a pipeline cut after ``after_layer`` blocks sends no partial state (block-aligned)."""
         return True

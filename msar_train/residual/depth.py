@@ -150,6 +150,10 @@ class DepthBackend(ResidualBackend):
         n_completed, has_partial = self.layout.state_after(2 * after_layer)
         return [(batch, seq, self.d_model)] * (n_completed + int(has_partial))
 
+    def state_names(self, after_layer: int) -> list[str]:
+        n_completed, has_partial = self.layout.state_after(2 * after_layer)
+        return [f"b_{j}" for j in range(n_completed)] + ([f"partial_b_{n_completed}"] if has_partial else [])
+
 
 class _Entry(nn.Module):
     def forward(self, h_BTD: torch.Tensor) -> State:

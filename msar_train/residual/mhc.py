@@ -110,3 +110,6 @@ class MHCBackend(ResidualBackend):
 
     def state_shapes(self, after_layer: int, batch: int, seq: int) -> list[tuple[int, ...]]:
         return [(batch, seq, self.cfg.mhc_streams, self.d_model)]
+
+    def state_names(self, after_layer: int) -> list[str]:
+        return ["streams"]

@@ -39,3 +39,6 @@ class VanillaBackend(ResidualBackend):
 
     def state_shapes(self, after_layer: int, batch: int, seq: int) -> list[tuple[int, ...]]:
         return [(batch, seq, self.d_model)]
+
+    def state_names(self, after_layer: int) -> list[str]:
+        return ["h"]

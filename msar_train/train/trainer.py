@@ -1,10 +1,16 @@
 """The training loop. All optimisation goes through the DeepSpeed ``Engine`` (one rank included);
-this file only feeds batches, schedules evaluation and writes metrics on the rank that owns the loss.
+this file feeds batches, schedules evaluation, diagnostics and checkpoints, handles stop signals and
+skipped steps, and writes metrics on the rank that owns the loss.
+
+Checkpoints: ``RUN_DIR/checkpoints/`` (``train/checkpoint.py``), every ``trainer.save_every`` steps,
+at the end, and when SIGTERM / SIGINT asked the run to stop. Resume: ``trainer.resume``.
 """
 
 from __future__ import annotations
 
-import random
+import json
+import math
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from msar_train.data import build_data
 from msar_train.parallel.engine import Engine
-from msar_train.train.metrics import MetricsWriter
+from msar_train.train import checkpoint as ckpt
+from msar_train.train.metrics import MetricsWriter, git_commit, new_run_id
 from msar_train.train.progress import Progress
 
 
 def seed_everything(seed: int) -> None:
+    import random
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -30,6 +39,10 @@ def default_run_dir(cfg: DictConfig) -> Path:
     return Path("runs") / f"{cfg.experiment.name}-{cfg.residual.name}-{cfg.model.name}-{stamp}"
 
 
+class TrainingHalted(RuntimeError):
+    """Too many consecutive skipped steps (``trainer.max_consecutive_skips``)."""
+
+
 @dataclass
 class FitResult:
     run_dir: Path
@@ -37,6 +50,38 @@ class FitResult:
     train_loss: float | None  # None on ranks that do not own the loss
     val_loss: float | None
     owns_loss: bool
+    stopped_by_signal: str | None = None  # "SIGTERM" / "SIGINT" when a signal ended the run early
+    resumed_from: Path | None = None
+
+
+# Dense bf16 peak per GPU (TFLOP/s) by device-name substring, for MFU; logger.peak_tflops overrides.
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "B200": 2250.0}
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop rows logged after ``last_step`` (a resumed run re-logs them, bit for bit)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill -9
+            continue
+        if int(row.get("step", 0)) <= last_step:
+            keep.append(line)
+    ckpt.atomic_write_text(path, "".join(k + "\n" for k in keep))
+
+
+def _merge_moe(parts: list[dict[str, float]]) -> dict[str, float]:
+    """MoE metrics of several pipeline stages: per-layer keys united, the worst-layer keys recomputed."""
+    out = {k: v for p in parts for k, v in p.items() if not k.startswith("moe/worst/")}
+    ratios = [v for k, v in out.items() if k.endswith("/load_max_over_mean")]
+    ents = [v for k, v in out.items() if k.endswith("/load_entropy")]
+    if ratios:
+        out["moe/worst/load_max_over_mean"] = max(ratios)
+        out["moe/worst/load_entropy"] = min(ents)
+    return out
 
 
 class Trainer:
@@ -54,6 +99,7 @@ class Trainer:
         box = [str(Path(t.run_dir) if t.run_dir else default_run_dir(cfg))]
         dist.broadcast_object_list(box, src=0)
         self.run_dir = Path(box[0])
+        self.ckpt_root = self.run_dir / "checkpoints"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if e.rank == 0:
             OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=True)
@@ -67,13 +113,109 @@ class Trainer:
             world=e.dp_world,
         )
         self.step = 0
-        self.metrics = MetricsWriter(self.run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True)) if e.owns_loss else None
+        self.skipped_total = 0
+        self.consecutive_skips = 0
+        self._last_saved = -1
+        self._stop_signal: int | None = None
+        self.resumed_from = self._resume()
+        box = [self._run_id or new_run_id()]
+        dist.broadcast_object_list(box, src=0)
+        self.run_id = box[0]
+        self.metrics = None
+        if e.owns_loss:
+            if self.resumed_from is not None:
+                _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+            self.metrics = MetricsWriter(self.run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), run_id=self.run_id)
         self._train_iter = iter(self.data.train)
+        self._flops_per_token = self._estimate_flops_per_token()
 
+    # ------------------------------------------------------------------------------- resume
+    def _resume(self) -> Path | None:
+        """Collective: rank 0 picks the checkpoint (``trainer.resume``), every rank loads it."""
+        import deepspeed.comm as dist
+
+        self._run_id = None
+        box: list = [None, None]
+        if self.engine.rank == 0:
+            try:
+                found = ckpt.resolve_resume(self.cfg.trainer.resume, self.ckpt_root)
+                box = [None if found is None else str(found), None]
+            except ckpt.CheckpointError as err:
+                box = [None, str(err)]
+        dist.broadcast_object_list(box, src=0)
+        if box[1] is not None:
+            raise ckpt.CheckpointError(box[1])
+        if box[0] is None:
+            return None
+        where = Path(box[0])
+        state = self.engine.load(where.parent, where.name).get(ckpt.CLIENT_KEY)
+        if state is None:
+            raise ckpt.CheckpointError(f"{where}: a DeepSpeed checkpoint without msar training state (not written by msar-train)")
+        self.step = int(state["step"])
+        self._last_saved = self.step
+        self.skipped_total = int(state.get("skipped_total", 0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self.data.train.load_state_dict(state["train_loader"])
+        rngs = state["rng"]
+        ckpt.set_rng_state(rngs[self.engine.rank] if len(rngs) == self.engine.world else rngs[0])
+        self._run_id = state.get("wandb_run_id")
+        if self.engine.owns_loss:
+            print(f"msar-train: resumed from {where} (step {self.step})", flush=True)
+        return where
+
+    # --------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        """Collective. DeepSpeed writes its files, every rank hashes a share of them, rank 0 writes the
+        manifest, then the ``latest`` pointer (both atomically), then prunes to ``keep_last``."""
+        import deepspeed.comm as dist
+
+        e, t = self.engine, self.cfg.trainer
+        tag = ckpt.tag_for(self.step)
+        target = self.ckpt_root / tag
+        if e.rank == 0:
+            self.ckpt_root.mkdir(parents=True, exist_ok=True)
+            if target.exists():  # a stale or partial save of this step: never mix its files or manifest in
+                import shutil
+
+                shutil.rmtree(target)
+        dist.barrier()
+        rngs = [None] * e.world
+        dist.all_gather_object(rngs, ckpt.rng_state())
+        client = {
+            ckpt.CLIENT_KEY: {
+                "format": ckpt.FORMAT_VERSION,
+                "step": self.step,
+                "skipped_total": self.skipped_total,
+                "consecutive_skips": self.consecutive_skips,
+                "train_loader": self.data.train.state_dict(),
+                "rng": rngs,
+                "config": OmegaConf.to_container(self.cfg, resolve=True),
+                "git_commit": git_commit(),
+                "wandb_run_id": self.run_id,
+            }
+        }
+        e.save(self.ckpt_root, tag, client)  # ends with a barrier: every file is on disk
+        files = ckpt.payload_files(target) if e.rank == 0 else None
+        box = [files]
+        dist.broadcast_object_list(box, src=0)
+        mine = ckpt.file_entries(target, box[0][e.rank :: e.world])
+        shares = [None] * e.world
+        dist.all_gather_object(shares, mine)
+        if e.rank == 0:
+            entries = {k: v for s in shares for k, v in s.items()}
+            ckpt.write_manifest(target, self.step, entries)
+            ckpt.atomic_write_text(self.ckpt_root / ckpt.LATEST, tag)
+            ckpt.prune(self.ckpt_root, t.keep_last)
+        dist.barrier()
+        self._last_saved = self.step
+        return target
+
+    # ---------------------------------------------------------------------------------- steps
     def train_step(self) -> dict[str, float]:
         p = self.cfg.parallel
         batches = [next(self._train_iter) for _ in range(p.grad_accum)]
-        r = self.engine.train_step(batches)
+        poison = (self.step + 1) in set(self.cfg.trainer.debug_nan_steps)  # TEST HOOK
+        r = self.engine.train_step(batches, poison=poison)
         self.step += 1
         tokens = sum(b.input_ids_BT.numel() for b in batches) * self.engine.dp_world
         out = {"train/total_loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens": tokens}
@@ -81,6 +223,14 @@ class Trainer:
             out["train/loss"] = r.ce
         if r.moe_load_ratio is not None:
             out["moe/load_max_over_mean"] = r.moe_load_ratio
+        if r.comm_bytes is not None:
+            out["comm/bytes_per_step"] = r.comm_bytes
+        if r.skipped:
+            self.skipped_total += 1
+            self.consecutive_skips += 1
+        else:
+            self.consecutive_skips = 0
+        out["train/skipped_steps"] = self.skipped_total
         return out
 
     def evaluate(self) -> float | None:
@@ -90,33 +240,155 @@ class Trainer:
             return None
         return self.engine.eval_loss(list(self.data.val.batches(self.cfg.trainer.eval_batches)))
 
+    # ---------------------------------------------------------------------------- monitoring
+    def _diag_batches(self) -> list:
+        src = self.data.val if self.data.val is not None else self.data.train
+        return [src.batch_at(0, 0)]
+
+    def _pipe_gather(self, obj) -> list:
+        """``obj`` of every stage of this data-parallel fiber (a pipeline); ``[obj]`` otherwise."""
+        import deepspeed.comm as dist
+
+        e = self.engine
+        if not e.pipelined:
+            return [obj]
+        out = [None] * e.engine.grid.get_pipe_parallel_world_size()
+        dist.all_gather_object(out, obj, group=e.engine.grid.get_pipe_parallel_group())
+        return out
+
+    def moe_metrics(self) -> dict[str, float]:
+        """Collective under pipeline parallelism (every stage holds some MoE layers)."""
+        from msar_train.train.monitor import moe_metrics
+
+        return _merge_moe(self._pipe_gather(moe_metrics(self.engine.engine.module)))
+
+    def residual_metrics(self) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        """Collective: one recorded no-grad forward over a fixed held-out batch on every rank (expert
+        and pipeline parallel forwards need them all); a pipeline's stages record their own sites and
+        the records are gathered to every stage. Meaningful on the loss owner."""
+        from msar_train.residual.diagnostics import record_diagnostics
+        from msar_train.train.monitor import collect_residual_metrics, residual_metrics
+
+        e = self.engine
+        batches = self._diag_batches()
+        if not e.pipelined:
+            return collect_residual_metrics(e.engine.module, batches)
+        e.loss_fn.pop_mean()
+        with record_diagnostics(e.engine.module) as rec:
+            e.engine.eval_batch(data_iter=e._pipe_iter(batches), num_micro_batches=len(batches))
+        e.engine.train()
+        e.loss_fn.pop_mean()
+        return residual_metrics([r for part in self._pipe_gather(rec.records) for r in part])
+
+    def _estimate_flops_per_token(self) -> float | None:
+        """6 * active params + attention (PaLM's 12 * L * H * Q * T), training FLOPs per token; GPU only."""
+        if not torch.cuda.is_available():
+            return None
+        from msar_train.train.params import count_params
+
+        m = self.cfg.model
+        head_dim = m.head_dim or m.d_model // m.n_heads
+        return 6.0 * count_params(self.cfg)["active_params"] + 12.0 * m.n_layers * m.n_heads * head_dim * self.cfg.data.seq_len
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        if self._flops_per_token is None:
+            return None
+        peak = self.cfg.logger.peak_tflops
+        if peak is None:
+            name = torch.cuda.get_device_name()
+            peak = next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
+            if peak is None:
+                return None
+        return tokens_per_s * self._flops_per_token / (peak * 1e12 * self.engine.world)
+
+    # ------------------------------------------------------------------------------- signals
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop_signal is not None:  # a second signal: stop now, without a checkpoint
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        self._stop_signal = signum
+        print(f"msar-train: {signal.Signals(signum).name}: finishing step {self.step + 1}, then saving and exiting", flush=True)
+
+    def _stop_requested(self) -> bool:
+        """Collective when several ranks run: any rank's signal stops all at the same step."""
+        import deepspeed.comm as dist
+
+        flag = torch.tensor([0.0 if self._stop_signal is None else float(self._stop_signal)], device=self.engine.device)
+        if self.engine.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self._stop_signal is None:
+            self._stop_signal = int(flag.item())
+        return bool(flag.item())
+
+    # ----------------------------------------------------------------------------------- fit
     def fit(self) -> FitResult:
-        t = self.cfg.trainer
+        t, lg = self.cfg.trainer, self.cfg.logger
         owner = self.engine.owns_loss
         train_loss, val_loss = None, None
         window: list[float] = []
-        with Progress(t.max_steps, enabled=t.progress and owner) as bar:
-            while self.step < t.max_steps:
-                t0 = time.perf_counter()
-                m = self.train_step()
-                dt = time.perf_counter() - t0
-                m["tokens_per_s"] = m.pop("tokens") / dt
-                m["step_time_s"] = dt
-                if "train/loss" in m:
-                    window.append(m["train/loss"])
-                last = self.step == t.max_steps
-                if self.step % t.eval_every == 0 or last:
-                    v = self.evaluate()
-                    if v is not None:
-                        val_loss = m["val/loss"] = v
-                if self.step % t.log_every == 0 or last:
-                    if window:
-                        train_loss = m["train/loss_avg"] = float(np.mean(window))
-                        window = []
-                    if self.metrics is not None:
-                        self.metrics.log(self.step, m)
-                if owner:
-                    bar.update(self.step, m)
-        if self.metrics is not None:
-            self.metrics.close()
-        return FitResult(self.run_dir, self.step, train_loss, val_loss, owner)
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            with Progress(t.max_steps, enabled=t.progress and owner, start=self.step) as bar:
+                while self.step < t.max_steps:
+                    t0 = time.perf_counter()
+                    m = self.train_step()
+                    dt = time.perf_counter() - t0
+                    m["tokens_per_s"] = m.pop("tokens") / dt
+                    m["step_time_s"] = dt
+                    mfu = self._mfu(m["tokens_per_s"])
+                    if mfu is not None:
+                        m["mfu"] = mfu
+                    if "train/loss" in m and math.isfinite(m["train/loss"]):
+                        window.append(m["train/loss"])
+                    step, last = self.step, self.step == t.max_steps
+                    log_now = step % t.log_every == 0 or last
+                    if step % t.eval_every == 0 or last:
+                        v = self.evaluate()
+                        if v is not None:
+                            val_loss = m["val/loss"] = v
+                    heatmaps = {}
+                    want_heat = lg.heatmap_every > 0 and (step % lg.heatmap_every == 0 or last)
+                    if want_heat or (lg.residual_every > 0 and (step % lg.residual_every == 0 or last)):
+                        scalars, heatmaps = self.residual_metrics()
+                        m.update(scalars)
+                        log_now = True
+                    if log_now:
+                        m.update(self.moe_metrics())
+                        if window:
+                            train_loss = m["train/loss_avg"] = float(np.mean(window))
+                            window = []
+                        if self.metrics is not None:
+                            self.metrics.log(step, m)
+                            if want_heat:
+                                self._log_heatmaps(step, heatmaps)
+                    if owner:
+                        bar.update(step, m)
+                    if self.consecutive_skips >= t.max_consecutive_skips:
+                        raise TrainingHalted(
+                            f"trainer.max_consecutive_skips={t.max_consecutive_skips}: steps {step - self.consecutive_skips + 1}..{step} "
+                            f"all had a non-finite loss or gradient norm and were skipped; stopping. "
+                            f"Resume from the last checkpoint in {self.ckpt_root} with a lower trainer.lr or other data."
+                        )
+                    stop = self._stop_requested()
+                    if stop or last or (t.save_every > 0 and step % t.save_every == 0):
+                        self.save_checkpoint()
+                    if stop:
+                        break
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+            if self.metrics is not None:
+                self.metrics.close()
+        if self.step == t.max_steps and self._last_saved != self.step:  # resumed at max_steps: nothing ran
+            self.save_checkpoint()
+        name = signal.Signals(self._stop_signal).name if self._stop_signal else None
+        return FitResult(self.run_dir, self.step, train_loss, val_loss, owner, stopped_by_signal=name, resumed_from=self.resumed_from)
+
+    def _log_heatmaps(self, step: int, heatmaps: dict[str, np.ndarray]) -> None:
+        from msar_train.train.monitor import DEPTH_HEATMAP, depth_attention_png
+
+        if DEPTH_HEATMAP in heatmaps:
+            png = self.run_dir / "plots" / "depth_attention" / f"step{step:08d}.png"
+            depth_attention_png(heatmaps[DEPTH_HEATMAP], png, f"depth attention, step {step}")
+            self.metrics.log_image(step, DEPTH_HEATMAP, png)

@@ -28,5 +28,7 @@ def test_bench_data_reports_every_stage(tmp_path):
 
 
 def test_bench_data_rejects_bad_flags(tmp_path):
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_data.py"), "--repeats", "0"], cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_data.py"), "--repeats", "0"], cwd=ROOT, capture_output=True, text=True
+    )
     assert res.returncode == 2 and "--repeats" in res.stderr

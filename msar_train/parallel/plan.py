@@ -1,0 +1,126 @@
+"""``msar-plan [hydra overrides]``: the pipeline plan as one JSON object, without allocating weights.
+
+What it reports (``plan(cfg)``):
+    stages:     per stage its ``layers`` range ``[start, stop)`` in ``Transformer.layers()`` indices (0 = the
+                embedding, ``n_layers + 1`` = the head) and its parameter count (modules shared by several
+                layers of one stage counted once; every stage holding a shared module counts its replica;
+                experts unsharded, i.e. before ``parallel.ep_size``).
+    boundaries: per stage cut the flat carry that DeepSpeed sends forward once per micro-batch:
+                ``(aux, [doc_ids, positions,] *state)`` (``model/layers.py``), with the residual state from
+                the backend's ``state_shapes``/``state_names``. ``after_layer`` is the index in
+                ``Transformer.layers()`` of the last layer before the cut, which is also the number of
+                transformer blocks done (the ``after_layer`` of ``ResidualBackend.state_shapes``).
+
+Shapes use B = ``parallel.micro_batch_size`` and T = ``data.seq_len``; float tensors have the activation
+dtype (``parallel.dtype``; ``auto`` = bfloat16 when CUDA is visible, else float32), document-mask tensors are
+int64. The layer ranges are the ones the pipeline engine uses (``parallel/partition.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from omegaconf import DictConfig
+
+from msar_train.model.transformer import layer_specs
+from msar_train.parallel.ds_config import resolve_dtype
+from msar_train.parallel.partition import partition
+from msar_train.residual import build_backend
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int64: "int64"}
+
+
+def _tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return {"name": name, "shape": list(shape), "dtype": _DTYPE_NAMES[dtype], "bytes": numel * dtype.itemsize}
+
+
+def boundary_tensors(backend, after_layer: int, batch: int, seq: int, dtype: torch.dtype, document_mask: bool) -> list[dict]:
+    """The carry after ``layers()[after_layer]``, in the order it is sent."""
+    out = [_tensor("aux", (), dtype)]
+    if document_mask:
+        out += [_tensor("doc_ids", (batch, seq), torch.int64), _tensor("positions", (batch, seq), torch.int64)]
+    shapes = backend.state_shapes(after_layer, batch, seq)
+    names = backend.state_names(after_layer)
+    assert len(names) == len(shapes), (names, shapes)
+    out += [_tensor(n, tuple(s), dtype) for n, s in zip(names, shapes)]
+    return out
+
+
+def stage_param_counts(cfg: DictConfig, backend, parts: list[int]) -> list[int]:
+    """Parameters per stage, built on the meta device (shared modules once per stage)."""
+    specs = layer_specs(cfg.model, backend, cfg.data.document_mask)
+    counts = []
+    with torch.device("meta"):
+        layers = [cls(*args) for cls, args in specs]
+    for start, stop in zip(parts[:-1], parts[1:]):
+        seen: dict[int, int] = {}
+        for layer in layers[start:stop]:
+            for p in layer.parameters():
+                seen[id(p)] = p.numel()
+        counts.append(sum(seen.values()))
+    return counts
+
+
+def plan(cfg: DictConfig) -> dict:
+    m, p = cfg.model, cfg.parallel
+    if p.get("virtual_stages", 1) != 1:
+        raise ValueError(f"parallel.virtual_stages={p.virtual_stages}: msar-plan describes one chunk per pipeline rank only (use 1)")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = resolve_dtype(p, device_type)
+    B, T = p.micro_batch_size, cfg.data.seq_len
+    parts = partition(m, cfg.residual, p.pp_stages, p.partition_method)
+    backend = build_backend(cfg.residual, m.n_layers, m.d_model, m.norm_eps, m.init_std)
+    params = stage_param_counts(cfg, backend, parts)
+    stages = [{"stage": s, "layers": [parts[s], parts[s + 1]], "params": params[s]} for s in range(p.pp_stages)]
+    boundaries = []
+    for cut in parts[1:-1]:
+        after = cut - 1
+        tensors = boundary_tensors(backend, after, B, T, dtype, cfg.data.document_mask)
+        state = tensors[-len(backend.state_shapes(after, B, T)) :]
+        boundaries.append(
+            {
+                "after_layer": after,
+                "tensors": [{k: t[k] for k in ("name", "shape", "dtype")} for t in tensors],
+                "bytes_per_microbatch": sum(t["bytes"] for t in tensors),
+                "state_bytes_per_microbatch": sum(t["bytes"] for t in state),
+            }
+        )
+    return {
+        "model": m.name,
+        "residual": cfg.residual.name,
+        "n_layers": m.n_layers,
+        "pp_stages": p.pp_stages,
+        "partition_method": p.partition_method,
+        "micro_batch_size": B,
+        "seq_len": T,
+        "dtype": _DTYPE_NAMES[dtype],
+        "document_mask": bool(cfg.data.document_mask),
+        "stages": stages,
+        "boundaries": boundaries,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(__doc__)
+        return 0
+    from msar_train.config import compose_config
+
+    try:
+        cfg = compose_config(args)
+        out = plan(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"msar-plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
