@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from msar_train.train.checkpoint import load_model
 
     model, cfg = load_model(a.ckpt)
-    data = build_data(cfg.data, model_vocab_size=cfg.model.vocab_size, seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size)
+    mbs = cfg.parallel.micro_batch_size
+    data = build_data(cfg.data, model_vocab_size=cfg.model.vocab_size, seed=cfg.trainer.seed, micro_batch_size=mbs)
     if data.val is None:
         print("plot_depth_attention: error: the run's data has no validation split", file=sys.stderr)
         return 2

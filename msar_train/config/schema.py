@@ -108,6 +108,9 @@ class TrainerConfig:
     save_every: int = 100  # steps between checkpoints (one is always written at the end); 0 = only at the end
     keep_last: int = 3  # verified checkpoints kept; older ones are deleted after each save
     resume: str = "auto"  # auto (newest valid checkpoint in RUN_DIR/checkpoints, else fresh) | none | PATH
+    # end this job after this step (checkpoint saved) without changing the schedule, which max_steps
+    # defines: time-sliced jobs (e.g. SLURM time limits) run the same command with resume=auto
+    stop_at: int | None = None
     max_consecutive_skips: int = 5  # a non-finite loss/grad skips the step; this many in a row stop the run
     # TEST HOOK: poison the loss with NaN at these (1-based) steps, to exercise step skipping
     debug_nan_steps: list[int] = field(default_factory=list)

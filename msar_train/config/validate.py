@@ -96,6 +96,8 @@ def validate_trainer(t: DictConfig) -> None:
     if t.save_every < 0:
         _fail("trainer.save_every", t.save_every, "must be >= 0 (0 = save only at the end)")
     _positive(t, "trainer", ["keep_last", "max_consecutive_skips"])
+    if t.stop_at is not None and not 0 < t.stop_at <= t.max_steps:
+        _fail("trainer.stop_at", t.stop_at, f"must be null or a step in 1..trainer.max_steps={t.max_steps}")
     if not str(t.resume).strip():
         _fail("trainer.resume", t.resume, "must be auto, none or a checkpoint path")
     for s in t.debug_nan_steps:

@@ -2,6 +2,10 @@
 
 Examples: ``msar-train residual=attnres model=tiny trainer.max_steps=30``;
 ``msar-train --cfg residual=msar_m2`` prints the composed config and exits.
+
+Exit status: 0 done (also after SIGTERM / SIGINT: the step finishes and a checkpoint is saved);
+2 bad config or unusable checkpoint (the message names the field or file); 3 halted after
+``trainer.max_consecutive_skips`` consecutive non-finite steps.
 """
 
 from __future__ import annotations
@@ -32,9 +36,19 @@ def main(argv: list[str] | None = None) -> int:
         print(OmegaConf.to_yaml(cfg))
         return 0
 
-    from msar_train.train.trainer import Trainer
+    from msar_train.train.checkpoint import CheckpointError
+    from msar_train.train.trainer import Trainer, TrainingHalted
 
-    result = Trainer(cfg).fit()
+    try:
+        result = Trainer(cfg).fit()
+    except CheckpointError as e:
+        print(f"msar-train: checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except TrainingHalted as e:
+        print(f"msar-train: training halted: {e}", file=sys.stderr)
+        return 3
+    if result.owns_loss and result.stopped_by_signal:
+        print(f"stopped by {result.stopped_by_signal} after step {result.steps}; checkpoint saved, continue with trainer.resume=auto")
     if result.owns_loss:
         val = "n/a" if result.val_loss is None else f"{result.val_loss:.4f}"
         train = "n/a" if result.train_loss is None else f"{result.train_loss:.4f}"

@@ -1,8 +1,9 @@
 """One metrics path: JSONL always (one object per logged step), wandb when enabled, rank 0 only.
 
 ``RUN_DIR/metrics.jsonl``: one JSON object per ``log`` call, ``{"step": int, "<group>/<name>": float, ...}``;
-non-finite values are written as the strings "nan"/"inf"/"-inf"; ``log_image`` adds a row
-``{"step": int, "<key>": "<png path>"}``. With ``logger.mode`` online/offline the same values go to
+non-finite values are written as the strings "nan"/"inf"/"-inf"; images passed to ``log`` appear in
+the same row as their PNG path (the trainer's rows therefore always hold ``train/loss``), while a
+standalone ``log_image`` adds a row ``{"step": int, "<key>": "<png path>"}``. With ``logger.mode`` online/offline the same values go to
 wandb, whose files live under ``RUN_DIR/wandb/``. Every other rank constructs the writer but writes
 nothing at all (no file, no wandb run).
 
@@ -109,13 +110,21 @@ class MetricsWriter:
         """The live wandb run (None when disabled, on other ranks, or after ``close``)."""
         return self._wandb
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], images: dict[str, str | Path] | None = None) -> None:
+        """One row: the scalars, plus ``images`` (key -> PNG on disk) as paths in the JSONL row and as
+        ``wandb.Image`` in the same wandb step."""
         if self._fh is None:
             return
-        row = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
+        images = images or {}
+        row = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}, **{k: str(v) for k, v in images.items()}}
         self._fh.write(json.dumps(row) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: float(v) for k, v in metrics.items()}, step=int(step))
+            payload = {k: float(v) for k, v in metrics.items()}
+            if images:
+                import wandb
+
+                payload.update({k: wandb.Image(str(v)) for k, v in images.items()})
+            self._wandb.log(payload, step=int(step))
 
     def log_image(self, step: int, key: str, png_path: str | Path) -> None:
         """Log a PNG already on disk (e.g. ``monitor.heatmap_png``); the JSONL row holds its path."""

@@ -330,7 +330,8 @@ class Trainer:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             with Progress(t.max_steps, enabled=t.progress and owner, start=self.step) as bar:
-                while self.step < t.max_steps:
+                end = t.max_steps if t.stop_at is None else t.stop_at  # stop_at: end this job early
+                while self.step < end:
                     t0 = time.perf_counter()
                     m = self.train_step()
                     dt = time.perf_counter() - t0
@@ -359,9 +360,7 @@ class Trainer:
                             train_loss = m["train/loss_avg"] = float(np.mean(window))
                             window = []
                         if self.metrics is not None:
-                            self.metrics.log(step, m)
-                            if want_heat:
-                                self._log_heatmaps(step, heatmaps)
+                            self.metrics.log(step, m, images=self._heatmap_images(step, heatmaps) if want_heat else None)
                     if owner:
                         bar.update(step, m)
                     if self.consecutive_skips >= t.max_consecutive_skips:
@@ -371,9 +370,10 @@ class Trainer:
                             f"Resume from the last checkpoint in {self.ckpt_root} with a lower trainer.lr or other data."
                         )
                     stop = self._stop_requested()
-                    if stop or last or (t.save_every > 0 and step % t.save_every == 0):
+                    stop_at = step == end
+                    if stop or stop_at or last or (t.save_every > 0 and step % t.save_every == 0):
                         self.save_checkpoint()
-                    if stop:
+                    if stop or stop_at:
                         break
         finally:
             for s, h in previous.items():
@@ -385,10 +385,11 @@ class Trainer:
         name = signal.Signals(self._stop_signal).name if self._stop_signal else None
         return FitResult(self.run_dir, self.step, train_loss, val_loss, owner, stopped_by_signal=name, resumed_from=self.resumed_from)
 
-    def _log_heatmaps(self, step: int, heatmaps: dict[str, np.ndarray]) -> None:
+    def _heatmap_images(self, step: int, heatmaps: dict[str, np.ndarray]) -> dict[str, Path]:
+        """Write the depth-attention heatmap of this step to ``RUN_DIR/plots/`` ({} for backends without one)."""
         from msar_train.train.monitor import DEPTH_HEATMAP, depth_attention_png
 
-        if DEPTH_HEATMAP in heatmaps:
-            png = self.run_dir / "plots" / "depth_attention" / f"step{step:08d}.png"
-            depth_attention_png(heatmaps[DEPTH_HEATMAP], png, f"depth attention, step {step}")
-            self.metrics.log_image(step, DEPTH_HEATMAP, png)
+        if DEPTH_HEATMAP not in heatmaps:
+            return {}
+        png = self.run_dir / "plots" / "depth_attention" / f"step{step:08d}.png"
+        return {DEPTH_HEATMAP: depth_attention_png(heatmaps[DEPTH_HEATMAP], png, f"depth attention, step {step}")}
