@@ -1,15 +1,23 @@
 """``msar-plan [hydra overrides]``: the pipeline plan as one JSON object, without allocating weights.
 
 What it reports (``plan(cfg)``):
-    stages:     per stage its ``layers`` range ``[start, stop)`` in ``Transformer.layers()`` indices (0 = the
-                embedding, ``n_layers + 1`` = the head) and its parameter count (modules shared by several
-                layers of one stage counted once; every stage holding a shared module counts its replica;
-                experts unsharded, i.e. before ``parallel.ep_size``).
-    boundaries: per stage cut the flat carry that DeepSpeed sends forward once per micro-batch:
+    stages:     per pipeline rank its parameter count (modules shared by several layers of one rank
+                counted once; every rank holding a shared module counts its replica; experts unsharded,
+                i.e. before ``parallel.ep_size``), its ``chunks`` (``parallel.virtual_stages`` of them, chunk
+                ``c`` on rank ``c mod P``) with their ``layers`` ranges ``[start, stop)`` in
+                ``Transformer.layers()`` indices (0 = the embedding, ``n_layers + 1`` = the head), and with one
+                chunk per rank also ``layers`` directly.
+    boundaries: per cut the flat carry that DeepSpeed sends forward once per micro-batch:
                 ``(aux, [doc_ids, positions,] *state)`` (``model/layers.py``), with the residual state from
                 the backend's ``state_shapes``/``state_names``. ``after_layer`` is the index in
                 ``Transformer.layers()`` of the last layer before the cut, which is also the number of
                 transformer blocks done (the ``after_layer`` of ``ResidualBackend.state_shapes``).
+                ``hop_bytes_naive`` / ``hop_bytes_cached``: that hop's bytes per micro-batch, both directions,
+                without / with the cross-stage summary cache (``comm.py``).
+    comm_bytes_naive / comm_bytes_cached: point-to-point bytes of one pipeline per training step
+                (``grad_accum`` micro-batches, both directions), the figures the interleaved engine
+                measures as ``comm/bytes_per_step``; ``comm_paper_summary_bytes_*``: the AttnRes paper's
+                formulas for the summary part of the forward traffic, for comparison.
 
 Shapes use B = ``parallel.micro_batch_size`` and T = ``data.seq_len``; float tensors have the activation
 dtype (``parallel.dtype``; ``auto`` = bfloat16 when CUDA is visible, else float32), document-mask tensors are
@@ -25,6 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from msar_train.model.transformer import layer_specs
+from msar_train.parallel.comm import comm_plan
 from msar_train.parallel.ds_config import resolve_dtype
 from msar_train.parallel.partition import partition
 from msar_train.residual import build_backend
@@ -51,57 +60,78 @@ def boundary_tensors(backend, after_layer: int, batch: int, seq: int, dtype: tor
     return out
 
 
-def stage_param_counts(cfg: DictConfig, backend, parts: list[int]) -> list[int]:
-    """Parameters per stage, built on the meta device (shared modules once per stage)."""
+def stage_param_counts(cfg: DictConfig, backend, ranges: list[list[tuple[int, int]]]) -> list[int]:
+    """Parameters per pipeline rank (``ranges[r]``: its chunks' layer ranges), built on the meta device
+    (modules shared by several layers of one rank counted once)."""
     specs = layer_specs(cfg.model, backend, cfg.data.document_mask)
-    counts = []
     with torch.device("meta"):
         layers = [cls(*args) for cls, args in specs]
-    for start, stop in zip(parts[:-1], parts[1:]):
+    counts = []
+    for chunks in ranges:
         seen: dict[int, int] = {}
-        for layer in layers[start:stop]:
-            for p in layer.parameters():
-                seen[id(p)] = p.numel()
+        for start, stop in chunks:
+            for layer in layers[start:stop]:
+                for p in layer.parameters():
+                    seen[id(p)] = p.numel()
         counts.append(sum(seen.values()))
     return counts
 
 
 def plan(cfg: DictConfig) -> dict:
     m, p = cfg.model, cfg.parallel
-    if p.get("virtual_stages", 1) != 1:
-        raise ValueError(f"parallel.virtual_stages={p.virtual_stages}: msar-plan describes one chunk per pipeline rank only (use 1)")
+    P, V = p.pp_stages, p.get("virtual_stages", 1)
+    C = P * V
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = resolve_dtype(p, device_type)
     B, T = p.micro_batch_size, cfg.data.seq_len
-    parts = partition(m, cfg.residual, p.pp_stages, p.partition_method)
+    parts = partition(m, cfg.residual, C, p.partition_method)
     backend = build_backend(cfg.residual, m.n_layers, m.d_model, m.norm_eps, m.init_std)
-    params = stage_param_counts(cfg, backend, parts)
-    stages = [{"stage": s, "layers": [parts[s], parts[s + 1]], "params": params[s]} for s in range(p.pp_stages)]
+    ranges = [[(parts[c], parts[c + 1]) for c in range(r, C, P)] for r in range(P)]
+    params = stage_param_counts(cfg, backend, ranges)
+    stages = []
+    for r in range(P):
+        stage = {"stage": r, "params": params[r]}
+        if V == 1:
+            stage["layers"] = list(ranges[r][0])
+        stage["chunks"] = [{"chunk": c, "layers": list(ranges[r][i])} for i, c in enumerate(range(r, C, P))]
+        stages.append(stage)
+    comm = comm_plan(cfg)
     boundaries = []
-    for cut in parts[1:-1]:
+    for c, cut in enumerate(parts[1:-1], start=1):
         after = cut - 1
         tensors = boundary_tensors(backend, after, B, T, dtype, cfg.data.document_mask)
         state = tensors[-len(backend.state_shapes(after, B, T)) :]
         boundaries.append(
             {
                 "after_layer": after,
+                "from_stage": (c - 1) % P,
+                "to_stage": c % P,
                 "tensors": [{k: t[k] for k in ("name", "shape", "dtype")} for t in tensors],
                 "bytes_per_microbatch": sum(t["bytes"] for t in tensors),
                 "state_bytes_per_microbatch": sum(t["bytes"] for t in state),
             }
         )
+        if P > 1:  # both directions (activations forward, their gradients back), per micro-batch
+            boundaries[-1]["hop_bytes_naive"] = comm["comm_hop_bytes_naive"][c - 1]
+            boundaries[-1]["hop_bytes_cached"] = comm["comm_hop_bytes_cached"][c - 1]
     return {
         "model": m.name,
         "residual": cfg.residual.name,
         "n_layers": m.n_layers,
-        "pp_stages": p.pp_stages,
+        "pp_stages": P,
+        "virtual_stages": V,
         "partition_method": p.partition_method,
         "micro_batch_size": B,
+        "grad_accum": p.grad_accum,
         "seq_len": T,
         "dtype": _DTYPE_NAMES[dtype],
         "document_mask": bool(cfg.data.document_mask),
         "stages": stages,
         "boundaries": boundaries,
+        "comm_bytes_naive": comm["comm_bytes_naive"],
+        "comm_bytes_cached": comm["comm_bytes_cached"],
+        "comm_paper_summary_bytes_naive": comm.get("comm_paper_summary_bytes_naive", 0),
+        "comm_paper_summary_bytes_cached": comm.get("comm_paper_summary_bytes_cached", 0),
     }
 
 

@@ -124,6 +124,29 @@ def test_cli_moe_18b_8_stages_is_fast_and_allocates_nothing(capsys):
     assert all(not t["name"].startswith("partial") for b in p["boundaries"] for t in b["tensors"])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_virtual_stages_place_chunk_c_on_rank_c_mod_p_and_report_the_cache(backend):
+    cfg = _cfg(f"residual={backend}", "parallel.pp_stages=2", "parallel.virtual_stages=2", "parallel.grad_accum=2", "residual.n_blocks=8")
+    p = plan(cfg)
+    assert p["virtual_stages"] == 2 and len(p["boundaries"]) == 3
+    chunks = sorted((c["chunk"], s["stage"], tuple(c["layers"])) for s in p["stages"] for c in s["chunks"])
+    assert [(c, r) for c, r, _ in chunks] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert chunks[0][2][0] == 0 and chunks[-1][2][1] == cfg.model.n_layers + 2
+    assert all(a[2][1] == b[2][0] for a, b in zip(chunks, chunks[1:]))
+    assert all("layers" not in s for s in p["stages"])  # several ranges per rank: only under "chunks"
+    assert [(b["from_stage"], b["to_stage"]) for b in p["boundaries"]] == [(0, 1), (1, 0), (0, 1)]
+    per_step = cfg.parallel.grad_accum * sum(b["hop_bytes_cached"] for b in p["boundaries"])
+    assert p["comm_bytes_cached"] == per_step
+    assert p["comm_bytes_naive"] == cfg.parallel.grad_accum * sum(b["hop_bytes_naive"] for b in p["boundaries"])
+    # a hop's naive bytes: its carry forward plus the gradients of its float tensors back (all float here)
+    assert all(b["hop_bytes_naive"] == 2 * b["bytes_per_microbatch"] for b in p["boundaries"])
+    if backend in ("attnres", "msar"):  # hop 2 (rank 1 -> 0) carries only summaries rank 0 lacks
+        assert p["comm_bytes_cached"] < p["comm_bytes_naive"]
+        assert p["boundaries"][1]["hop_bytes_cached"] < p["boundaries"][1]["hop_bytes_naive"]
+    else:  # vanilla's hidden state / mHC's streams change at every layer: nothing to cache
+        assert p["comm_bytes_cached"] == p["comm_bytes_naive"]
+
+
 @pytest.mark.parametrize(
     "overrides,field",
     [
