@@ -58,6 +58,7 @@ class ResidualConfig:
     fusion: str = "adaptive"  # adaptive | mean
     expansion: str = "conv"  # conv | none
     fusion_scale_init: float = 0.01  # a_l
+    conv_init_smoothing: float = 0.1  # conv taps at init: (1 - s) * identity + s * moving average (docs/decisions.md)
     kernel: str = "torch"  # attnres/msar depth attention: torch (memory-lean) | triton (fused) | compile (torch.compile'd torch path)
     # mhc
     mhc_streams: int = 4

@@ -76,6 +76,8 @@ def validate_residual(r: DictConfig, n_layers: int) -> None:
     for k in r.kernel_sizes:
         if k < 1:
             _fail("residual.kernel_sizes", list(r.kernel_sizes), "every kernel size must be >= 1")
+    if not 0.0 <= r.conv_init_smoothing <= 1.0:
+        _fail("residual.conv_init_smoothing", r.conv_init_smoothing, "must be in [0, 1] (0 = identity taps, 1 = moving average)")
     if r.mhc_streams < 1:
         _fail("residual.mhc_streams", r.mhc_streams, "must be >= 1")
     if r.sinkhorn_iters < 1:

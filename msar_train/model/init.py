@@ -18,7 +18,7 @@ _ATTR = "_msar_init"
 
 
 def tag_init(p: nn.Parameter, kind: str, value: float | None = None) -> nn.Parameter:
-    """kind: normal (value = std) | zeros | ones | const (value) | eye (value * I)."""
+    """kind: normal (value = std) | zeros | ones | const (value) | eye (value * I) | causal_mix (value = s)."""
     setattr(p, _ATTR, (kind, value))
     return p
 
@@ -39,6 +39,9 @@ def init_parameter(p: torch.Tensor, key: str, seed: int, default_std: float) -> 
         p.fill_(1.0)
     elif kind == "const":
         p.fill_(value)
+    elif kind == "causal_mix":  # conv taps [K, D], tap 0 = the current token: (1 - s) delta + s / K
+        p.fill_(value / p.shape[0])
+        p[0] += 1.0 - value
     elif kind == "eye":
         p.copy_(torch.eye(p.shape[-1], dtype=p.dtype) * value)
     elif kind != "keep":

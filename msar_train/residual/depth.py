@@ -27,17 +27,17 @@ class SourceExpansion(nn.Module):
     """The M streams of one source j: identity plus causal depthwise convs whose weights belong to
     the *source* (shared by every target that reads it)."""
 
-    def __init__(self, d_model: int, num_streams: int, kernel_sizes: list[int], conv: bool):
+    def __init__(self, d_model: int, num_streams: int, kernel_sizes: list[int], conv: bool, smoothing: float = 0.1):
         super().__init__()
         self.num_streams = num_streams
         self.conv = conv
         self.weights = nn.ParameterList()
         if conv:
             for k in kernel_sizes:
-                # Init: causal moving average of width k (docs/decisions.md): the streams start as
-                # distinct multi-scale smoothings, so depth attention sees diverse keys at step 0.
-                w = nn.Parameter(torch.full((k, d_model), 1.0 / k))
-                self.weights.append(tag_init(w, "const", 1.0 / k))
+                # Init (docs/decisions.md): (1 - s) * identity + s * causal moving average of width k,
+                # s = residual.conv_init_smoothing; distinct widths give distinct keys at step 0.
+                w = nn.Parameter(torch.empty((k, d_model)))
+                self.weights.append(tag_init(w, "causal_mix", smoothing))
 
     def forward(self, s_BTD: torch.Tensor, doc_ids_BT: torch.Tensor | None) -> list[torch.Tensor]:
         if not self.conv:
@@ -124,7 +124,8 @@ class DepthBackend(ResidualBackend):
 
     def bank(self, j: int) -> SourceExpansion:
         if j not in self._banks:
-            self._banks[j] = SourceExpansion(self.d_model, self.num_streams, self.kernel_sizes, self.conv)
+            smoothing = getattr(self.cfg, "conv_init_smoothing", 0.1)
+            self._banks[j] = SourceExpansion(self.d_model, self.num_streams, self.kernel_sizes, self.conv, smoothing)
         return self._banks[j]
 
     def is_cut_point(self, after_layer: int) -> bool:

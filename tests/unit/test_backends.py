@@ -190,3 +190,23 @@ def test_expansion_memo_is_invalidated_by_weight_updates():
     fresh = m.blocks[0](tuple(t.clone() for t in carry))
     assert all(torch.equal(a, b) for a, b in zip(out2, fresh))
     assert not all(torch.equal(a, b) for a, b in zip(out1, out2))
+
+
+@pytest.mark.parametrize("s", [0.0, 0.1, 1.0])
+def test_conv_init_mixes_identity_and_moving_average(s):
+    model = build(preset("msar", conv_init_smoothing=s), n_layers=4)
+    banks = model.backend.shared_modules()
+    assert banks, "msar built no source expansions"
+    x_BTD = torch.randn(2, 16, model.cfg.d_model, dtype=torch.float64)
+    for bank in banks.values():
+        for k, w in zip([4, 8, 12], bank.weights, strict=True):
+            want = torch.full_like(w, s / k)
+            want[0] += 1 - s
+            torch.testing.assert_close(w.detach(), want, rtol=0, atol=1e-7)  # set in fp32, model in fp64
+        streams = bank(x_BTD, None)
+        # stream r at token t: (1 - s) x_t + s * mean of the last k tokens (zeros before the first)
+        for k, y in zip([4, 8, 12], streams[1:]):
+            t = 13
+            ref = (1 - s) * x_BTD[:, t] + s * x_BTD[:, t - k + 1 : t + 1].sum(1) / k
+            torch.testing.assert_close(y[:, t], ref)
+        assert torch.equal(streams[0], x_BTD)
