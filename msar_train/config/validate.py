@@ -143,13 +143,6 @@ def validate_virtual_stages(p: DictConfig, cfg: DictConfig) -> None:
     P = p.pp_stages
     if P < 2:
         _fail("parallel.virtual_stages", V, "needs parallel.pp_stages >= 2 (the chunks interleave over pipeline ranks)")
-    if p.grad_accum % P:
-        _fail(
-            "parallel.grad_accum",
-            p.grad_accum,
-            f"must be a multiple of parallel.pp_stages={P}: the interleaved schedule "
-            f"(parallel.virtual_stages={V}) runs micro-batches in groups of P",
-        )
     cuts = _chunk_cut_points(cfg)
     if P * V - 1 > cuts:
         _fail(

@@ -2,7 +2,8 @@
 
 Chunk ``c`` (0..C-1, ``C = P V``) runs on rank ``c mod P``; local chunk ``v`` of rank ``r`` is global
 chunk ``v P + r``. The per-rank order of forward/backward computations follows Megatron's interleaved
-1F1B with micro-batch groups of size P (the pre-2024 rule, which needs ``M mod P == 0``): virtual
+1F1B with micro-batch groups of size P (the pre-2024 rule, for ``M mod P == 0``; other M run all forwards
+then all backwards, ``train_order``): virtual
 micro-batch ``k`` runs chunk ``(k mod PV) div P`` (reversed for backward) on micro-batch
 ``(k div PV) P + k mod P``; warm-up is ``2 (P - r - 1) + (V - 1) P`` forwards, everything when M == P.
 
@@ -22,9 +23,12 @@ Action = tuple[str, int, int]  # ("F" | "B", micro_batch, global chunk)
 
 
 def train_order(P: int, V: int, M: int, rank: int) -> list[Action]:
-    """Megatron's interleaved 1F1B compute order on ``rank``."""
+    """Megatron's interleaved 1F1B compute order on ``rank``; when ``M`` is not a multiple of ``P``,
+    all forwards then all backwards (every micro-batch through chunk v before chunk v + 1; backward in
+    reverse), which is correct for any M but keeps all M V activations alive."""
     if M % P:
-        raise ValueError(f"parallel.grad_accum={M}: the interleaved schedule needs a multiple of parallel.pp_stages={P}")
+        forward = [("F", m, v * P + rank) for v in range(V) for m in range(M)]
+        return forward + [("B", m, v * P + rank) for v in reversed(range(V)) for m in range(M)]
     total = M * V
 
     def chunk(k: int, forward: bool) -> int:
