@@ -156,3 +156,14 @@ def test_trainer_run_matches_single_process_and_logs_bytes(tmp_path):
         assert abs(ra["grad_norm"] - rb["grad_norm"]) <= 1e-5 * ra["grad_norm"]
     plan = comm_plan(compose_config([*common, *pipe]))
     assert [r["comm/bytes_per_step"] for r in b] == [plan["comm_bytes_cached"]] * 3
+
+
+def test_expert_parallel_with_virtual_stages_matches_single_process(runs, tmp_path):
+    """4 ranks: P=2 x V=2 chunks, each stage's experts sharded over its 2 data-parallel ranks (ZeRO-1).
+    DP=2 x micro 2 x grad_accum 1 sees the single-process run's samples per step (``_launch.py``)."""
+    from tests.distributed._launch import assert_same_training, launch_local
+
+    layout = ["parallel=pp2_ep2", "parallel.virtual_stages=2", "parallel.grad_accum=1"]
+    rows = launch_local(4, tmp_path / "pp2_ep2_v2", "residual=msar", *layout)
+    assert_same_training(rows, runs.single("msar"))
+    assert all(r["comm/bytes_per_step"] > 0 for r in rows)
