@@ -185,15 +185,13 @@ class MoE(nn.Module):
         x_MD = x_ND[token_M]
         w_M = r.weight_NK.reshape(-1)[order_M]
 
-        y_parts: list[torch.Tensor] = []
-        start = 0
         # One host sync per layer to learn the slice sizes. Every expert runs, also on zero rows: each
         # expert parameter then gets a gradient (zeros) on every data-parallel rank, so hook-driven
         # gradient reductions (ZeRO-2 buckets) see the same parameters in the same order everywhere.
-        for e, c in enumerate(counts_E.tolist()):
-            y_parts.append(self.experts[e](x_MD[start : start + c]))
-            start += c
-        y_MD = torch.cat(y_parts, dim=0)
+        # torch.split, not one slice per expert: a slice's backward fills a zero tensor of the whole
+        # [M, D] input per expert (E full-size fills and adds per layer); split's backward is one cat.
+        x_parts = torch.split(x_MD, counts_E.tolist(), dim=0)
+        y_MD = torch.cat([expert(x) for expert, x in zip(self.experts, x_parts, strict=True)], dim=0)
         # Weighting in the routing precision, then back to the activation dtype.
         y_MD = (y_MD.to(w_M.dtype) * w_M[:, None]).to(x_ND.dtype)
         out_ND = torch.zeros_like(x_ND).index_add_(0, token_M, y_MD)

@@ -344,3 +344,18 @@ def test_aux_loss_off_is_zero_scalar_and_sums_when_on() -> None:
     both = Router(_cfg(aux_loss_coef=0.3, seq_aux_loss_coef=0.7), D)
     both.load_state_dict(r0.state_dict())
     torch.testing.assert_close(both(x, seq_len=8).aux_loss, parts[0] + parts[1])
+
+
+def test_dispatch_backward_fills_no_full_size_buffer_per_expert():
+    """The experts get their rows through one split: the backward must not build a zero tensor of
+    the whole dispatched input [N*K, D] per expert (what slicing did: 42% of the CPU step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    moe = _moe()
+    N, D, K = 64, moe.router.weight.shape[1], moe.cfg.top_k
+    x = torch.randn(2, N // 2, D, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out, aux = moe(x)
+        (out.square().sum() + aux).backward()
+    full = [e for e in prof.events() if e.name in ("aten::fill_", "aten::zero_") and e.input_shapes and e.input_shapes[0] == [N * K, D]]
+    assert len(full) <= 1, f"{len(full)} full-size fills of the dispatched input"
