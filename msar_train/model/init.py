@@ -28,6 +28,14 @@ def _generator(seed: int, key: str) -> torch.Generator:
 
 
 @torch.no_grad()
+def causal_mix_(p: torch.Tensor, s: float) -> torch.Tensor:
+    """Conv taps ``[K, D]``, tap 0 = the current token: ``(1 - s) * delta + s / K`` (identity to moving average)."""
+    p.fill_(s / p.shape[0])
+    p[0] += 1.0 - s
+    return p
+
+
+@torch.no_grad()
 def init_parameter(p: torch.Tensor, key: str, seed: int, default_std: float) -> None:
     kind, value = getattr(p, _ATTR, ("normal", default_std) if p.dim() >= 2 else ("keep", None))
     if kind == "normal":
@@ -39,9 +47,8 @@ def init_parameter(p: torch.Tensor, key: str, seed: int, default_std: float) -> 
         p.fill_(1.0)
     elif kind == "const":
         p.fill_(value)
-    elif kind == "causal_mix":  # conv taps [K, D], tap 0 = the current token: (1 - s) delta + s / K
-        p.fill_(value / p.shape[0])
-        p[0] += 1.0 - value
+    elif kind == "causal_mix":
+        causal_mix_(p, value)
     elif kind == "eye":
         p.copy_(torch.eye(p.shape[-1], dtype=p.dtype) * value)
     elif kind != "keep":

@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from msar_train.model.transformer import layer_specs
-from msar_train.parallel.comm import comm_plan
+from msar_train.parallel.comm import carry_specs, comm_plan
 from msar_train.parallel.ds_config import resolve_dtype
 from msar_train.parallel.partition import partition
 from msar_train.residual import build_backend
@@ -41,23 +41,14 @@ from msar_train.residual import build_backend
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int64: "int64"}
 
 
-def _tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
-    numel = 1
-    for s in shape:
-        numel *= s
-    return {"name": name, "shape": list(shape), "dtype": _DTYPE_NAMES[dtype], "bytes": numel * dtype.itemsize}
-
-
 def boundary_tensors(backend, after_layer: int, batch: int, seq: int, dtype: torch.dtype, document_mask: bool) -> list[dict]:
-    """The carry after ``layers()[after_layer]``, in the order it is sent."""
-    out = [_tensor("aux", (), dtype)]
-    if document_mask:
-        out += [_tensor("doc_ids", (batch, seq), torch.int64), _tensor("positions", (batch, seq), torch.int64)]
-    shapes = backend.state_shapes(after_layer, batch, seq)
-    names = backend.state_names(after_layer)
-    assert len(names) == len(shapes), (names, shapes)
-    out += [_tensor(n, tuple(s), dtype) for n, s in zip(names, shapes)]
-    return out
+    """The carry after ``layers()[after_layer]``, in the order it is sent (``comm.carry_specs``), named."""
+    specs = carry_specs(backend, after_layer, batch, seq, dtype, document_mask)
+    names = ["aux", *(["doc_ids", "positions"] if document_mask else []), *backend.state_names(after_layer)]
+    return [
+        {"name": n, "shape": list(t.shape), "dtype": _DTYPE_NAMES[t.dtype], "bytes": t.nbytes, "kind": t.kind}
+        for n, t in zip(names, specs, strict=True)
+    ]
 
 
 def stage_param_counts(cfg: DictConfig, backend, ranges: list[list[tuple[int, int]]]) -> list[int]:
@@ -100,7 +91,7 @@ def plan(cfg: DictConfig) -> dict:
     for c, cut in enumerate(parts[1:-1], start=1):
         after = cut - 1
         tensors = boundary_tensors(backend, after, B, T, dtype, cfg.data.document_mask)
-        state = tensors[-len(backend.state_shapes(after, B, T)) :]
+        state = [t for t in tensors if t["kind"] in ("summary", "state")]
         boundaries.append(
             {
                 "after_layer": after,

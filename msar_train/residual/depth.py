@@ -18,7 +18,7 @@ from torch import nn
 
 from msar_train.kernels import depth_attention as da
 from msar_train.kernels.dispatch import DepthKernel
-from msar_train.model.init import tag_init
+from msar_train.model.init import causal_mix_, tag_init
 from msar_train.residual.base import Branch, Diagnosable, ResidualBackend, ResidualSite, SeqContext, State
 from msar_train.residual.layout import BlockLayout
 
@@ -36,7 +36,7 @@ class SourceExpansion(nn.Module):
             for k in kernel_sizes:
                 # Init (docs/decisions.md): (1 - s) * identity + s * causal moving average of width k,
                 # s = residual.conv_init_smoothing; distinct widths give distinct keys at step 0.
-                w = nn.Parameter(torch.empty((k, d_model)))
+                w = nn.Parameter(causal_mix_(torch.empty((k, d_model)), smoothing))
                 self.weights.append(tag_init(w, "causal_mix", smoothing))
 
     def forward(self, s_BTD: torch.Tensor, doc_ids_BT: torch.Tensor | None) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import signal
 import time
 from dataclasses import dataclass
@@ -27,8 +28,6 @@ from msar_train.train.progress import Progress
 
 
 def seed_everything(seed: int) -> None:
-    import random
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -9,6 +9,7 @@ samples of the permutation per step, only split differently over ranks and micro
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -88,25 +89,23 @@ def launch_local(nproc: int, run_dir: Path, *overrides: str) -> list[dict]:
     return metrics(run_dir)
 
 
+def torchrun_cmd(nproc: int, script: Path, *args: str) -> list[str]:
+    """``torch.distributed.run`` of ``script`` with ``nproc`` local ranks on 127.0.0.1 and a free port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1"]
+    return [*cmd, "--master_port", str(free_port()), str(script), *args]
+
+
+def run_worker(worker: Path, mode: str, out: Path, nproc: int = 2) -> dict[int, dict]:
+    """Run a test worker script (``worker mode out``) on ``nproc`` ranks; each rank writes
+    ``out/{mode}_rank{r}.json``, returned by rank."""
+    run(torchrun_cmd(nproc, worker, mode, str(out)), f"{worker.name} {mode}")
+    return {r: json.loads((out / f"{mode}_rank{r}.json").read_text()) for r in range(nproc)}
+
+
 def recorded_pipeline(nproc: int, run_dir: Path, *overrides: str) -> list[dict]:
     """Like ``launch_local`` but through ``_pipe_recorder.py``: each rank also writes what its pipeline
     engine sent / received as activations to ``run_dir/p2p/rank{r}.json``."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(RECORDER),
-        str(run_dir / "p2p"),
-        *COMMON,
-        *overrides,
-        f"trainer.run_dir={run_dir}",
-    ]
+    cmd = torchrun_cmd(nproc, RECORDER, str(run_dir / "p2p"), *COMMON, *overrides, f"trainer.run_dir={run_dir}")
     run(cmd, f"recorded pipeline {overrides}")
     return metrics(run_dir)
 

@@ -8,11 +8,6 @@ and assert on the JSON each rank writes. Legend: E routed experts, R = ep_size =
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +15,7 @@ import torch
 
 from msar_train.config.schema import MoEConfig
 from msar_train.model.moe import MoE
+from tests.distributed._launch import run_worker
 
 pytestmark = pytest.mark.distributed
 
@@ -29,47 +25,14 @@ TOL = 1e-5
 PARITY_CASES = ["softmax_grouped", "sigmoid_grouped", "uneven", "empty_rank"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(mode: str, out: Path, nproc: int = 2) -> dict[int, dict]:
-    env = dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        GLOO_SOCKET_IFNAME="lo",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        str(WORKER),
-        mode,
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"{mode} worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return {r: json.loads((out / f"{mode}_rank{r}.json").read_text()) for r in range(nproc)}
-
-
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    return _torchrun("parity", tmp_path_factory.mktemp("ep_parity"))
+    return run_worker(WORKER, "parity", tmp_path_factory.mktemp("ep_parity"))
 
 
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    return _torchrun("deepspeed", tmp_path_factory.mktemp("ep_deepspeed"))
+    return run_worker(WORKER, "deepspeed", tmp_path_factory.mktemp("ep_deepspeed"))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,21 +11,22 @@ torchrun, one run per mode as module fixtures):
   norms and logs ``comm/bytes_per_step``.
 
 Tolerances (fp32): loss relative 1e-5; gradients relative 1e-5 as one vector per rank (the norm of the
-difference over the norm of the reference), and 1e-4 for the worst single tensor: the fusion-gate
-gradients of MSAR are sums with heavy cancellation whose fp32 rounding moves with the summation order,
-which chunk boundaries change (the stock V = 1 pipeline shows the same ~1e-5 effect on them).
+difference over the norm of the reference), and 1e-4 for the worst single tensor relative to its largest
+entry floored at 1e-3 of the rank's largest gradient: MSAR's fusion-gate gradients are 1e4 times smaller
+than the rest, sums with heavy cancellation whose fp32 rounding moves with the summation order, which
+chunk boundaries change.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed._launch import assert_same_training, env, launch_local, run_worker
 
 pytestmark = pytest.mark.distributed
 
@@ -34,39 +35,14 @@ WORKER = Path(__file__).with_name("_interleaved_worker.py")
 CASES = ["msar_cache", "msar_nocache", "attnres_cache", "attnres_nocache", "msar_cache_docmask"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    return dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        GLOO_SOCKET_IFNAME="lo",
-        WANDB_MODE="disabled",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
-
-
-def _torchrun(mode: str, out: Path) -> dict[int, dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
-    cmd += ["--master_port", str(_free_port()), str(WORKER), mode, str(out)]
-    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{mode} worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return {r: json.loads((out / f"{mode}_rank{r}.json").read_text()) for r in range(2)}
-
-
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    return _torchrun("parity", tmp_path_factory.mktemp("il_parity"))
+    return run_worker(WORKER, "parity", tmp_path_factory.mktemp("il_parity"))
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    return _torchrun("checkpoint", tmp_path_factory.mktemp("il_ckpt"))
+    return run_worker(WORKER, "checkpoint", tmp_path_factory.mktemp("il_ckpt"))
 
 
 def test_each_rank_hosts_non_contiguous_chunks(parity):
@@ -133,7 +109,7 @@ def test_trainer_run_matches_single_process_and_logs_bytes(tmp_path):
     pipe = ["parallel=pp2", "parallel.virtual_stages=2"]
     single = subprocess.run(
         [str(Path(sys.executable).with_name("msar-train")), *common, f"trainer.run_dir={tmp_path / 'single'}"],
-        env=_env(),
+        env=env(),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -142,7 +118,7 @@ def test_trainer_run_matches_single_process_and_logs_bytes(tmp_path):
     assert single.returncode == 0, single.stderr[-4000:]
     launch = subprocess.run(
         [str(REPO / "scripts" / "launch_local.sh"), "2", *common, *pipe, f"trainer.run_dir={tmp_path / 'pipe'}"],
-        env=dict(_env(), PYTHON=sys.executable),
+        env=env(PYTHON=sys.executable),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -161,8 +137,6 @@ def test_trainer_run_matches_single_process_and_logs_bytes(tmp_path):
 def test_expert_parallel_with_virtual_stages_matches_single_process(runs, tmp_path):
     """4 ranks: P=2 x V=2 chunks, each stage's experts sharded over its 2 data-parallel ranks (ZeRO-1).
     DP=2 x micro 2 x grad_accum 1 sees the single-process run's samples per step (``_launch.py``)."""
-    from tests.distributed._launch import assert_same_training, launch_local
-
     layout = ["parallel=pp2_ep2", "parallel.virtual_stages=2", "parallel.grad_accum=1"]
     rows = launch_local(4, tmp_path / "pp2_ep2_v2", "residual=msar", *layout)
     assert_same_training(rows, runs.single("msar"))
