@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from msar_train.config.schema import ModelConfig, ResidualConfig  # noqa: E402
+from msar_train.model.flops import training_flops_per_token  # noqa: E402
 from msar_train.model.transformer import Transformer, lm_loss  # noqa: E402
-from msar_train.residual.layout import BlockLayout  # noqa: E402
 
 HF = "hf_deepseek_v3"
 
@@ -95,43 +95,6 @@ def n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def model_flops(mc: ModelConfig, tokens: int, seq: int) -> float:
-    """Forward+backward FLOPs of the vanilla model: 6 * active matmul params * tokens + attention."""
-    d, L = mc.d_model, mc.n_layers
-    hd = mc.head_dim or d // mc.n_heads
-    attn_p = d * hd * (mc.n_heads * 2 + mc.n_kv_heads * 2)
-    moe = mc.moe
-    dense_p = 3 * d * mc.dense_hidden
-    moe_p = 3 * d * moe.expert_hidden * (moe.top_k + moe.n_shared) + d * moe.n_routed
-    per_layer = [attn_p + (dense_p if i < mc.first_k_dense else moe_p) for i in range(L)]
-    matmul = 6 * tokens * (sum(per_layer) + d * mc.vocab_size)
-    attention = 6 * tokens * L * mc.n_heads * hd * seq  # QK^T and AV, causal half of 2 * 2 * T
-    return float(matmul + attention)
-
-
-def residual_flops(res: ResidualConfig, mc: ModelConfig, tokens: int) -> float:
-    """Analytic forward+backward FLOPs of the residual math (3x forward), per backend."""
-    d, L = mc.d_model, 2 * mc.n_layers
-    if res.name == "vanilla":
-        return 3.0 * tokens * L * d
-    if res.name == "mhc":
-        n = res.mhc_streams
-        per = 3 * n * d + 2 * n * d * (2 * n + n * n) + 2 * n * n * d + 4 * n * d + 20 * 3 * n * n
-        return 3.0 * tokens * L * per
-    M = 1 if res.name == "attnres" else res.num_streams
-    taps = sum(res.kernel_sizes) if (res.name == "msar" and res.expansion == "conv" and M > 1) else 0
-    lay = BlockLayout(L, L if res.n_blocks is None else res.n_blocks)
-    fwd = 0
-    n_src = lay.n_blocks + 1 + sum(1 for b in range(1, L + 1) if not lay.is_first(b))
-    fwd += n_src * (2 * taps * d + 3 * M * d)  # expansions and their RMS, once per source
-    for tgt in range(1, L + 2):
-        S = lay.n_blocks + 1 if tgt == L + 1 else lay.block_of(tgt) + int(not lay.is_first(tgt))
-        fwd += M * S * (2 * d + 2 * d + 5)  # logits, weighted sum, softmax
-        if res.name == "msar" and res.fusion == "adaptive":
-            fwd += 3 * M * d + 2 * M * d * M + 2 * M * d
-    return 3.0 * tokens * fwd
-
-
 def peak_memory(step, device: str) -> int:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -185,7 +148,7 @@ def run(a) -> list[dict]:
         models[name], steps[name] = m, make_step(m, ids, False)
         rows[name] = {"backend": name, "kernel": a.kernel if name in ("attnres", "msar") or name.startswith(("attnres", "msar")) else "-"}
         rows[name]["params"] = n_params(m)
-        rows[name]["flops"] = model_flops(mc, tokens, a.seq) + residual_flops(res, mc, tokens)
+        rows[name]["flops"] = tokens * training_flops_per_token(mc, res, a.seq)
     if a.hf:
         m = hf_model(mc).to(device=device, dtype=dtype)
         models[HF], steps[HF] = m, make_step(m, ids, True)

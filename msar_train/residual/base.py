@@ -108,6 +108,11 @@ class ResidualBackend(ABC):
         """Shapes of the state tensors after ``after_layer`` transformer blocks (0 = after the
         embedding). This is what crosses a pipeline cut placed there."""
 
+    @abstractmethod
+    def forward_flops_per_token(self) -> float:
+        """FLOPs of this backend's own math (everything but the branches) in one forward, per token
+        (a multiply-add = 2). ``model/flops.py`` adds it to the model's matmul count."""
+
     def state_names(self, after_layer: int) -> list[str]:
         """Names of the ``state_shapes(after_layer, ...)`` tensors, in order (for ``msar-plan``)."""
         return [f"state{i}" for i in range(len(self.state_shapes(after_layer, 1, 1)))]

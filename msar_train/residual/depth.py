@@ -155,6 +155,20 @@ class DepthBackend(ResidualBackend):
         n_completed, has_partial = self.layout.state_after(2 * after_layer)
         return [f"b_{j}" for j in range(n_completed)] + ([f"partial_b_{n_completed}"] if has_partial else [])
 
+    def forward_flops_per_token(self) -> float:
+        """Expansions (convs + key RMS) once per source, then per target and stream the logits, the
+        weighted sum and the softmax over its sources, and the adaptive fusion."""
+        d, M, L, lay = self.d_model, self.num_streams, self.n_branches, self.layout
+        taps = sum(self.kernel_sizes) if self.conv else 0
+        n_sources = lay.n_blocks + 1 + sum(1 for b in range(1, L + 1) if not lay.is_first(b))
+        flops = n_sources * (2 * taps * d + 3 * M * d)
+        for tgt in range(1, L + 2):
+            S = lay.n_blocks + 1 if tgt == L + 1 else lay.block_of(tgt) + int(not lay.is_first(tgt))
+            flops += M * S * (2 * d + 2 * d + 5)
+            if self.fusion == "adaptive":
+                flops += 3 * M * d + 2 * M * d * M + 2 * M * d
+        return float(flops)
+
 
 class _Entry(nn.Module):
     def forward(self, h_BTD: torch.Tensor) -> State:

@@ -113,3 +113,10 @@ class MHCBackend(ResidualBackend):
 
     def state_names(self, after_layer: int) -> list[str]:
         return ["streams"]
+
+    def forward_flops_per_token(self) -> float:
+        n, d, iters = self.cfg.mhc_streams, self.d_model, self.cfg.sinkhorn_iters
+        # RMSNorm of n*d; the three maps (n*d -> 2n + n^2); Hres x and Hpost^T f (2 n^2 d + ...);
+        # the pre-mix Hpre x (2 n d), adds; Sinkhorn: iters x (row + column normalisation) of n x n.
+        per = 3 * n * d + 2 * n * d * (2 * n + n * n) + 2 * n * n * d + 4 * n * d + iters * 3 * n * n
+        return float(self.n_branches * per)

@@ -42,3 +42,6 @@ class VanillaBackend(ResidualBackend):
 
     def state_names(self, after_layer: int) -> list[str]:
         return ["h"]
+
+    def forward_flops_per_token(self) -> float:
+        return float(self.n_branches * self.d_model)  # one add per branch
