@@ -151,8 +151,11 @@ class LoggerConfig:
 
 @dataclass
 class ExperimentConfig:
-    name: str = "default"
+    name: str = "default"  # run dirs and, in a multirun, the sweep dir sweeps/<name>
     notes: str = ""
+    # multirun: a compact record of every finished job is also written here (relative = under the repo
+    # root), one JSON per job named from its overrides; a job whose record exists is skipped
+    records_dir: str | None = None
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """``msar-train [hydra overrides]``: compose the config and train (single process).
 
 Examples: ``msar-train residual=attnres model=tiny trainer.max_steps=30``;
-``msar-train --cfg residual=msar_m2`` prints the composed config and exits.
+``msar-train --cfg residual=msar_m2`` prints the composed config and exits;
+``msar-train -m residual=vanilla,msar trainer.seed=1,2,3`` runs a Hydra multirun (one job per point,
+run dirs under ``sweeps/<experiment.name>/``; finished jobs are skipped; ``experiment=study_backends``
+runs a whole study: see ``train/sweep.py``).
 
 Exit status: 0 done (also after SIGTERM / SIGINT: the step finishes and a checkpoint is saved);
 2 bad config or unusable checkpoint (the message names the field or file); 3 halted after
@@ -22,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in args or "--help" in args:
         print(__doc__)
         return 0
+    if "-m" in args or "--multirun" in args:
+        from msar_train.train.sweep import multirun
+
+        return multirun([a for a in args if a not in ("-m", "--multirun")])
     show_cfg = "--cfg" in args
     args = [a for a in args if a != "--cfg"]
 

@@ -347,6 +347,7 @@ class Trainer:
                         v = self.evaluate()
                         if v is not None:
                             val_loss = m["val/loss"] = v
+                            log_now = True  # an evaluation is always logged, whatever log_every says
                     heatmaps = {}
                     want_heat = lg.heatmap_every > 0 and (step % lg.heatmap_every == 0 or last)
                     if want_heat or (lg.residual_every > 0 and (step % lg.residual_every == 0 or last)):
