@@ -482,6 +482,13 @@ def build_report(paths: list[Path], images: Path, out_dir: Path, n_boot: int = 2
                f"Total wall time of the runs: {cpu_h:.2f} h (start-up, training and evaluation; threads per run: `trainer.threads` below). "
                "Every number below is computed from the records; rerun the command to regenerate this file.")  # fmt: skip
     out += ["", "## Protocol", "", *protocol_lines(records), ""]
+    by_exp = defaultdict(list)
+    for r in records:
+        by_exp[r.get("experiment", "?")].append(r["wall_time_s"])
+    out += ["Wall time by the study that ran the job (a job two studies share ran once, under the first):", "",
+            "| study | runs | wall time h | mean per run min |", "|---|---|---|---|"]  # fmt: skip
+    out += [f"| {e} | {len(w)} | {sum(w) / 3600:.2f} | {np.mean(w) / 60:.1f} |" for e, w in sorted(by_exp.items())]
+    out.append("")
     if failed:
         out += ["## Failed runs", "", "| run | error |", "|---|---|"]
         out += [f"| {r['name']} | {str(r.get('error'))[:200]} |" for r in failed]

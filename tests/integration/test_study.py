@@ -168,3 +168,15 @@ def test_study_configs_compose_and_share_one_protocol(study):
             cfg = compose_config([f"experiment={study}", f"{key}={v}"])
             assert cfg.trainer.max_steps == base.trainer.max_steps and cfg.experiment.records_dir == "results/study"
             assert cfg.trainer.eval_batches == base.trainer.eval_batches and cfg.data.seq_len == base.data.seq_len
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None, reason="pip install -e '.[slurm]'")
+def test_submitit_launcher_runs_the_same_jobs(two_jobs, tmp_path):
+    """hydra/launcher=submitit_local: what submitit_slurm does on a cluster (pickled task, one process
+    per job), on this machine. Same job names, same losses as the basic launcher's."""
+    tmp, _ = two_jobs
+    res = sweep(tmp_path, "residual=vanilla,attnres", "trainer.seed=1", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    for d in job_dirs(tmp):
+        mine = read_record(tmp_path / "records" / f"{d.name}.json")
+        assert mine["val_curve"] == read_record(d / "record.json")["val_curve"]
