@@ -228,7 +228,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------ offline model loading
-def _resolve_model_dir(path: Path) -> Path:
+def resolve_model_dir(path: Path) -> Path:
     """A checkpoint directory, a checkpoints directory or a run directory -> a valid checkpoint."""
     path = Path(path)
     if (path / MANIFEST).exists() or step_of(path) is not None:
@@ -243,42 +243,20 @@ def _resolve_model_dir(path: Path) -> Path:
     raise CheckpointError(f"{path}: not a checkpoint, a checkpoints directory or a run directory with checkpoints")
 
 
-def _client_state(ckpt: Path) -> dict[str, Any]:
-    for f in sorted(ckpt.glob("*mp_rank_*_model_states.pt")):
-        state = torch.load(f, map_location="cpu", weights_only=False)
-        if CLIENT_KEY in state:
-            return state
-    raise CheckpointError(f"{ckpt}: no DeepSpeed model-states file with msar client state")
-
-
 def load_model(path: str | Path):
     """Rebuild the single-process ``Transformer`` of a training checkpoint and load its weights.
 
     ``path``: a checkpoint directory, a ``checkpoints/`` directory or a run directory (its newest
-    valid checkpoint). Works for checkpoints of plain runs (DeepSpeed module state dict) and of
-    pipeline runs (one file per layer, ``layer_XX-*model_states.pt``); expert-parallel checkpoints
-    (experts in per-expert files) are refused. Returns ``(model in eval mode on the CPU, cfg)``.
+    valid checkpoint), of any layout (plain, ZeRO, pipeline with any ``virtual_stages``, expert
+    parallel, pipeline x expert parallel): ``train/consolidate.py`` gathers the weights. Returns
+    ``(model in eval mode on the CPU, cfg)``.
     """
-    from omegaconf import OmegaConf
-
     from msar_train.model.transformer import Transformer
+    from msar_train.train.consolidate import consolidate
 
-    ckpt = _resolve_model_dir(Path(path))
-    state = _client_state(ckpt)
-    cfg = OmegaConf.create(state[CLIENT_KEY]["config"])
-    if cfg.parallel.ep_size > 1:
-        raise CheckpointError(f"{ckpt}: expert-parallel checkpoint (parallel.ep_size={cfg.parallel.ep_size}): not supported by load_model")
+    state, cfg = consolidate(path)
     model = Transformer(cfg.model, cfg.residual, document_mask=cfg.data.document_mask, seed=cfg.trainer.seed)
-    if state.get("module") is not None:
-        missing, unexpected = model.load_state_dict(state["module"], strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"{ckpt}: module state does not fit the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    else:
-        for idx, layer in enumerate(model.layers()):
-            files = sorted(ckpt.glob(f"layer_{idx:02d}-*model_states.pt"))
-            if not files:
-                raise CheckpointError(f"{ckpt}: no layer_{idx:02d}-*model_states.pt (pipeline layer {idx})")
-            layer.load_state_dict(torch.load(files[0], map_location="cpu", weights_only=False))
+    model.load_state_dict(state, strict=True)
     return model.eval(), cfg
 
 
@@ -288,6 +266,7 @@ __all__ = [
     "load_model",
     "newest_valid",
     "prune",
+    "resolve_model_dir",
     "resolve_resume",
     "rng_state",
     "set_rng_state",
