@@ -14,11 +14,13 @@ its last checkpoint when the sweep is run again. A finished job leaves a compact
 from its overrides; a job whose record exists (in either place) is skipped. A job that raises writes
 a record with ``status: failed`` and the error (so a report can say which runs failed), and the sweep
 goes on with the next job; Hydra then exits non-zero at the end. Delete a failed record to retry it.
-SIGTERM / SIGINT stop the current job with a checkpoint (as for a single run) and end the sweep.
+SIGTERM / SIGINT stop the current job with a checkpoint (as for a single run) and end the sweep with
+exit status 128 + the signal's number (143 / 130), so that a driver running several sweeps stops too.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -105,7 +107,7 @@ def run_job(cfg: DictConfig, job_dir: Path, name: str, overrides: list[str], cho
     if result.stopped_by_signal:
         atomic_write_text(clock, f"{time.perf_counter() - t0:.3f}")
         print(f"msar-train: sweep stopped by {result.stopped_by_signal} in job {name}; run the same command to resume", flush=True)
-        raise SweepInterrupted(0)
+        raise SweepInterrupted(128 + signal.Signals[result.stopped_by_signal].value)  # a driver script sees the stop
     if not result.owns_loss:
         return None
     if result.steps < cfg.trainer.max_steps:  # trainer.stop_at: a time slice, not the end of the job

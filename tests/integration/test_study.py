@@ -180,3 +180,29 @@ def test_submitit_launcher_runs_the_same_jobs(two_jobs, tmp_path):
     for d in job_dirs(tmp):
         mine = read_record(tmp_path / "records" / f"{d.name}.json")
         assert mine["val_curve"] == read_record(d / "record.json")["val_curve"]
+
+
+def test_sigterm_ends_the_sweep_with_a_checkpoint(tmp_path):
+    """SIGTERM during job 1: it saves and the sweep ends (143) before job 2; the next sweep resumes job 1."""
+    import signal
+    import time
+
+    configs = tmp_path / "configs"
+    shutil.copytree(ROOT / "configs", configs)
+    (configs / "experiment" / "smoke.yaml").write_text(
+        SMOKE.replace("max_steps: 4", "max_steps: 400").replace("save_every: 2", "save_every: 1000")
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", "MSAR_CONFIG_DIR": str(configs)}
+    cmd = [sys.executable, "-m", "msar_train.train", "-m", "experiment=smoke", "residual=vanilla", "trainer.seed=1,2",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}", f"experiment.records_dir={tmp_path / 'records'}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "sweep" / "residual=vanilla,trainer.seed=1" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
+    assert "sweep stopped by SIGTERM" in out and not (tmp_path / "sweep" / "residual=vanilla,trainer.seed=2").exists()
+    assert list((tmp_path / "sweep" / "residual=vanilla,trainer.seed=1" / "checkpoints").glob("step*/manifest.json"))
+    assert not (tmp_path / "records").exists() or not list((tmp_path / "records").iterdir())
