@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import yaml
 
 from msar_train.config import compose_config
 from msar_train.train.records import NOT_IN_NAME, load_records, read_record, variant_of
+from tests.distributed._launch import env as launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 # The smoke protocol: a few cheap steps of a smaller tiny model, an eval at every second step, as an
@@ -43,7 +43,9 @@ def sweep(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
     if not configs.is_dir():
         shutil.copytree(ROOT / "configs", configs)
         (configs / "experiment" / "smoke.yaml").write_text(SMOKE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", "MSAR_CONFIG_DIR": str(configs)}
+    # launch_env drops the rank variables an earlier in-process test left in os.environ: inherited,
+    # they would make the sweep reuse that test's MASTER_PORT (EADDRINUSE).
+    env = launch_env(MSAR_CONFIG_DIR=str(configs))
     cmd = [sys.executable, "-m", "msar_train.train", "-m", "experiment=smoke", *overrides, f"hydra.sweep.dir={tmp / 'sweep'}",
            f"experiment.records_dir={tmp / 'records'}"]  # fmt: skip
     return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
@@ -192,7 +194,9 @@ def test_sigterm_ends_the_sweep_with_a_checkpoint(tmp_path):
     (configs / "experiment" / "smoke.yaml").write_text(
         SMOKE.replace("max_steps: 4", "max_steps: 400").replace("save_every: 2", "save_every: 1000")
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", "MSAR_CONFIG_DIR": str(configs)}
+    # launch_env drops the rank variables an earlier in-process test left in os.environ: inherited,
+    # they would make the sweep reuse that test's MASTER_PORT (EADDRINUSE).
+    env = launch_env(MSAR_CONFIG_DIR=str(configs))
     cmd = [sys.executable, "-m", "msar_train.train", "-m", "experiment=smoke", "residual=vanilla", "trainer.seed=1,2",
            f"hydra.sweep.dir={tmp_path / 'sweep'}", f"experiment.records_dir={tmp_path / 'records'}"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
