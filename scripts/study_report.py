@@ -451,6 +451,86 @@ def scaling_section(records: list[dict], images: Path, n_boot: int, rng: np.rand
 
 
 # ------------------------------------------------------------------------------------------- main
+def planned_jobs(experiment_dir: Path) -> dict[str, list[list[str]]]:
+    """Every study's jobs, from its ``hydra.sweeper.params`` (``configs/experiment/study_*.yaml``):
+    study -> the override lists of its jobs, sorted by key as Hydra names job dirs."""
+    import itertools
+
+    import yaml
+
+    out = {}
+    for path in sorted(experiment_dir.glob("study_*.yaml")):
+        params = ((yaml.safe_load(path.read_text()) or {}).get("hydra") or {}).get("sweeper", {}).get("params") or {}
+        if not params:
+            continue
+        keys = sorted(params)
+        values = [[v.strip() for v in str(params[k]).split(",")] for k in keys]
+        out[path.stem] = [[f"{k}={v}" for k, v in zip(keys, combo)] for combo in itertools.product(*values)]
+    return out
+
+
+def budget_section(records: list[dict], experiment_dir: Path) -> list[str]:
+    """Done and remaining jobs of every study, and the CPU time of the rest, estimated from the records:
+    a job takes (its training FLOPs) x (seconds per FLOP measured for its residual preset, or else for
+    its residual family, or else over every record)."""
+    from msar_train.config import compose_config
+    from msar_train.model.flops import training_flops_per_token
+
+    plans = planned_jobs(experiment_dir)
+    if not plans:
+        return []
+    done = {r["name"]: r for r in records if r["status"] == "finished"}
+    per_flop: dict[str, list[float]] = defaultdict(list)
+    for r in done.values():
+        if r.get("flops"):
+            res = r.get("choices", {}).get("residual") or r["config"]["residual"]["name"]
+            per_flop[res].append(r["wall_time_s"] / r["flops"])
+            per_flop["family:" + r["config"]["residual"]["name"]].append(r["wall_time_s"] / r["flops"])
+            per_flop["*"].append(r["wall_time_s"] / r["flops"])
+
+    def estimate(study: str, overrides: list[str]) -> float | None:
+        cfg = compose_config([f"experiment={study}", *overrides])
+        res = next(o.split("=", 1)[1] for o in overrides if o.startswith("residual="))
+        rates = per_flop.get(res) or per_flop.get("family:" + cfg.residual.name) or per_flop.get("*")
+        if not rates:
+            return None
+        p = cfg.parallel
+        tokens = cfg.trainer.max_steps * p.micro_batch_size * p.grad_accum * cfg.data.seq_len
+        return float(np.median(rates)) * tokens * training_flops_per_token(cfg.model, cfg.residual, cfg.data.seq_len)
+
+    out = ["## Progress and CPU budget of each study", "",
+           "Jobs of each study's sweep (`configs/experiment/study_*.yaml`) with a finished record here, and the wall time "
+           "of the rest, estimated as the job's training FLOPs times the seconds per FLOP measured in these records for "
+           "the same residual preset (else its residual family, else all records). The rates come from the runs as they "
+           "ran (one thread per job, usually two jobs on two cores), so they are this machine's, not a GPU's. A job two "
+           "studies share counts in both rows and once in the total.", "",
+           "| study | jobs | finished | wall time of finished h | remaining | estimated wall time of remaining h |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+    seen: dict[str, float | None] = {}
+    by_cfg: dict[tuple, float | None] = {}  # the seed changes neither FLOPs nor the rate
+    for study, jobs in plans.items():
+        names = [",".join(j) for j in jobs]
+        fin = [n for n in names if n in done]
+        rest = [(n, j) for n, j in zip(names, jobs) if n not in done]
+        for n, j in rest:
+            key = (study, *(o for o in j if not o.startswith("trainer.seed=")))
+            if key not in by_cfg:
+                by_cfg[key] = estimate(study, j)
+            seen[n] = by_cfg[key]
+        est = [seen[n] for n, _ in rest]
+        est_h = "n/a" if any(e is None for e in est) else f"{sum(est) / 3600:.3g}"
+        fin_h = sum(done[n]["wall_time_s"] for n in fin) / 3600
+        out.append(f"| {study} | {len(names)} | {len(fin)} | {fin_h:.2f} | {len(rest)} | {est_h} |")
+    all_names = {",".join(j) for jobs in plans.values() for j in jobs}
+    fin_all = [n for n in all_names if n in done]
+    rest_est = [seen.get(n) for n in all_names if n not in done]
+    tot = "n/a" if any(e is None for e in rest_est) else f"{sum(rest_est) / 3600:.3g}"
+    out.append(f"| all (distinct jobs) | {len(all_names)} | {len(fin_all)} | {sum(done[n]['wall_time_s'] for n in fin_all) / 3600:.2f} "
+               f"| {len(all_names) - len(fin_all)} | {tot} |")  # fmt: skip
+    out.append("")
+    return out
+
+
 def protocol_lines(records: list[dict]) -> list[str]:
     """What the runs share, read from their configs, and any protocol field that differs between them."""
     fields = ["trainer.max_steps", "trainer.lr", "trainer.schedule", "trainer.warmup_steps", "trainer.eval_every", "trainer.eval_batches",
@@ -467,7 +547,8 @@ def protocol_lines(records: list[dict]) -> list[str]:
     return out
 
 
-def build_report(paths: list[Path], images: Path, out_dir: Path, n_boot: int = 2000, seed: int = 0, command: str = "") -> str:
+def build_report(paths: list[Path], images: Path, out_dir: Path, n_boot: int = 2000, seed: int = 0, command: str = "",
+                 experiment_dir: Path = ROOT / "configs" / "experiment") -> str:  # fmt: skip
     records = load_records(paths)
     if not records:
         raise SystemExit(f"study_report: no run records under {', '.join(map(str, paths))}")
@@ -489,6 +570,7 @@ def build_report(paths: list[Path], images: Path, out_dir: Path, n_boot: int = 2
             "| study | runs | wall time h | mean per run min |", "|---|---|---|---|"]  # fmt: skip
     out += [f"| {e} | {len(w)} | {sum(w) / 3600:.2f} | {np.mean(w) / 60:.1f} |" for e, w in sorted(by_exp.items())]
     out.append("")
+    out += budget_section(records, experiment_dir)
     if failed:
         out += ["## Failed runs", "", "| run | error |", "|---|---|"]
         out += [f"| {r['name']} | {str(r.get('error'))[:200]} |" for r in failed]
@@ -561,10 +643,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=Path, default=None, help="plot folder (default: images/ next to --out)")
     ap.add_argument("--bootstrap", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--experiments", type=Path, default=None, help="study configs (default: the config dir's experiment/)")
     a = ap.parse_args(argv)
     images = a.images or a.out.parent / "images"
     cmd = "python scripts/study_report.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = build_report(a.paths, images, a.out.parent, a.bootstrap, a.seed, cmd.strip())
+    from msar_train.config.compose import config_dir
+
+    text = build_report(a.paths, images, a.out.parent, a.bootstrap, a.seed, cmd.strip(), a.experiments or config_dir() / "experiment")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(text)
     print(f"wrote {a.out} and plots in {images}")

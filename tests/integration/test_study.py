@@ -134,13 +134,20 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert again.stdout.count("exists, skipping") == 2  # deterministic failures are not retried silently
 
 
-def test_report_from_the_two_real_records(two_jobs, tmp_path):
+def test_report_from_the_two_real_records(two_jobs, tmp_path, monkeypatch):
     tmp, _ = two_jobs
     spec = importlib.util.spec_from_file_location("study_report", ROOT / "scripts" / "study_report.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "docs" / "results.md"
-    assert mod.main([str(tmp / "records"), "--out", str(out), "--bootstrap", "20"]) == 0
+    # a study of three jobs, two of them the records': its progress row and the estimate of the third
+    study = "# @package _global_\ndefaults:\n  - smoke\n  - _self_\n"
+    study += "hydra:\n  sweeper:\n    params:\n      residual: vanilla,attnres,msar\n      trainer.seed: 1\n"
+    (tmp_path / "exp").mkdir()
+    for d in (tmp_path / "exp", tmp / "configs" / "experiment"):
+        (d / "study_three.yaml").write_text(study)
+    monkeypatch.setenv("MSAR_CONFIG_DIR", str(tmp / "configs"))
+    assert mod.main([str(tmp / "records"), "--out", str(out), "--bootstrap", "20", "--experiments", str(tmp_path / "exp")]) == 0
     text = out.read_text()
     recs = load_records([tmp / "records"])
     assert len(recs) == 2 and "from 2 run records (0 failed)" in text
@@ -148,6 +155,10 @@ def test_report_from_the_two_real_records(two_jobs, tmp_path):
         assert f"| {r['choices']['residual']} | 1 | {r['final']['val_loss']:.4f} +- n/a |" in text
     assert (tmp_path / "docs" / "images" / "study_backends.png").stat().st_size > 1000
     assert "![Validation loss against training FLOPs, backends](images/study_backends.png)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| study_three |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:3] == ["3", "2"] and cells[4] == "1" and float(cells[5]) > 0
+    assert float(cells[3]) == pytest.approx(sum(r["wall_time_s"] for r in recs) / 3600, abs=0.006)
 
 
 def test_job_names_and_variants_leave_out_the_same_fields():
