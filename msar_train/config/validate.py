@@ -8,10 +8,11 @@ import os
 from omegaconf import DictConfig
 
 from msar_train.config.schema import TrainConfig
+from msar_train.errors import ConfigError
 
 
 def _fail(field: str, value, why: str) -> None:
-    raise ValueError(f"{field}={value!r}: {why}")
+    raise ConfigError(f"{field}={value!r}: {why}")
 
 
 def _choice(field: str, value, choices) -> None:
@@ -134,23 +135,29 @@ def _chunk_cut_points(cfg: DictConfig) -> int:
     return 1 + sum(1 for a in range(1, n + 1) if 2 * a in ends)
 
 
-def validate_virtual_stages(p: DictConfig, cfg: DictConfig) -> None:
-    V = p.virtual_stages
+def validate_pipeline_layout(p: DictConfig, cfg: DictConfig) -> None:
+    """Can ``parallel.pp_stages * parallel.virtual_stages`` non-empty chunks be cut from the model?
+    The one check of the layout that both ``msar-train`` (at compose time) and ``msar-plan`` make:
+    the partitioner (``parallel/partition.py``) succeeds exactly when the model has enough cut points."""
+    V, P = p.virtual_stages, p.pp_stages
     if V < 1:
         _fail("parallel.virtual_stages", V, "must be >= 1")
-    if V == 1:
-        return
-    P = p.pp_stages
-    if P < 2:
+    if V > 1 and P < 2:
         _fail("parallel.virtual_stages", V, "needs parallel.pp_stages >= 2 (the chunks interleave over pipeline ranks)")
+    if P * V == 1:
+        return
     cuts = _chunk_cut_points(cfg)
     if P * V - 1 > cuts:
+        field, value = ("parallel.virtual_stages", V) if V > 1 else ("parallel.pp_stages", P)
+        blocks = ""
+        if cuts < cfg.model.n_layers + 1:
+            blocks = f", residual.n_blocks={cfg.residual.n_blocks}: a cut must fall between residual blocks"
         _fail(
-            "parallel.virtual_stages",
-            V,
-            f"{P}*{V}={P * V} chunks need {P * V - 1} cuts but the model allows {cuts} "
-            f"(model.n_layers={cfg.model.n_layers}, parallel.partition_method={p.partition_method}); "
-            "use fewer virtual stages or pipeline stages",
+            field,
+            value,
+            f"{P}*{V}={P * V} pipeline chunks need {P * V - 1} cuts but the model allows {cuts} "
+            f"(model.n_layers={cfg.model.n_layers}, parallel.partition_method={p.partition_method}{blocks}); "
+            "use fewer virtual or pipeline stages, more residual.n_blocks, or partition_method=parameters",
         )
 
 
@@ -170,7 +177,7 @@ def validate_parallel(p: DictConfig, cfg: DictConfig, world_size: int | None) ->
         _fail(
             "model.tie_embeddings", True, "tied embeddings across pipeline stages are not supported; untie them or use parallel.pp_stages=1"
         )
-    validate_virtual_stages(p, cfg)
+    validate_pipeline_layout(p, cfg)
     if cfg.model.moe.n_routed % p.ep_size:
         _fail("parallel.ep_size", p.ep_size, f"must divide model.moe.n_routed={cfg.model.moe.n_routed}")
     if p.ep_size > 1 and cfg.model.first_k_dense >= n_layers:

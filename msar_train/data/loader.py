@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from msar_train.data.packed import PackedDataset
+from msar_train.errors import InputError
 
 __all__ = ["Batch", "PackedDataset", "PackedLoader", "document_ids_and_positions"]
 
@@ -133,6 +134,8 @@ class PackedLoader:
         """Gather samples `sample_ids` into a Batch (B = len(sample_ids))."""
         T = self.seq_len
         windows = np.stack([self.dataset.tokens(int(i) * T, int(i) * T + T + 1) for i in sample_ids])
+        if int(windows.max()) >= self.dataset.vocab_size:  # one max per batch: damaged shards fail here, not in the embedding
+            self._refuse_token(sample_ids, windows)
         windows = windows.astype(np.int64)
         x, y = windows[:, :-1], windows[:, 1:]
         batch = Batch(torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y)))
@@ -140,6 +143,15 @@ class PackedLoader:
             doc_ids, pos = document_ids_and_positions(x, self.dataset.eos_id)
             batch.doc_ids_BT, batch.positions_BT = torch.from_numpy(doc_ids), torch.from_numpy(pos)
         return batch
+
+    def _refuse_token(self, sample_ids: np.ndarray, windows: np.ndarray) -> None:
+        b, t = (int(v) for v in np.argwhere(windows >= self.dataset.vocab_size)[0])
+        shard, offset = self.dataset.locate(int(sample_ids[b]) * self.seq_len + t)
+        raise InputError(
+            f"token shard {shard}: token id {int(windows[b, t])} at token offset {offset} is outside the vocabulary "
+            f"of size {self.dataset.vocab_size} (meta.json vocab_size): the shard is damaged or was made with another "
+            "tokenizer; re-run the preparation, or keep data.verify_checksums=true to catch damage when the data is opened"
+        )
 
     def __iter__(self) -> PackedLoader:
         return self

@@ -19,9 +19,25 @@ from typing import Any
 import numpy as np
 
 from msar_train.data.io import read_json, sha256_file
+from msar_train.errors import InputError
 
 SUPPORTED_FORMAT_VERSIONS = (1,)
 _REQUIRED_META = ("format_version", "vocab_size", "dtype", "eos_id", "tokenizer_sha256", "splits")
+
+
+def _key(obj: Any, key: str | int, field: str, meta_path: Path) -> Any:
+    """``obj[key]`` of meta.json, or an error naming the file and the field (``splits.train.shards[0].file``)."""
+    try:
+        return obj[key]
+    except (KeyError, IndexError, TypeError):
+        raise InputError(f"{meta_path}: {field} is missing or not where it should be (a damaged or hand-edited meta.json?)") from None
+
+
+def _count(value: Any, field: str, meta_path: Path) -> int:
+    """A non-negative integer field of meta.json (``bool`` and ``"12"`` are refused, like JSON types should be)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InputError(f"{meta_path}: {field}={value!r} must be a non-negative integer")
+    return value
 
 
 class PackedDataset:
@@ -50,21 +66,30 @@ class PackedDataset:
             raise ValueError(f"{meta_path} lacks the keys {missing}")
         if self.meta["format_version"] not in SUPPORTED_FORMAT_VERSIONS:
             raise ValueError(f"{meta_path}: format_version {self.meta['format_version']} is not supported")
+        if not isinstance(self.meta["splits"], dict):
+            raise InputError(f"{meta_path}: splits must be an object of split name -> shards, got {type(self.meta['splits']).__name__}")
         if split not in self.meta["splits"]:
             raise ValueError(f"split {split!r} is not in {meta_path} (it has {sorted(self.meta['splits'])})")
-        self.vocab_size: int = int(self.meta["vocab_size"])
-        self.eos_id: int = int(self.meta["eos_id"])
+        self._meta_path = meta_path
+        self.vocab_size: int = _count(self.meta["vocab_size"], "vocab_size", meta_path)
+        self.eos_id: int = _count(self.meta["eos_id"], "eos_id", meta_path)
+        if self.meta["dtype"] not in ("uint16", "uint32"):
+            raise InputError(f"{meta_path}: dtype={self.meta['dtype']!r} must be uint16 or uint32")
         self.dtype = np.dtype(self.meta["dtype"])
-        if self.dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
-            raise ValueError(f"{meta_path}: dtype {self.dtype} must be uint16 or uint32")
         self._check_tokenizer(expected_tokenizer_sha256)
 
         entry = self.meta["splits"][split]
-        self.num_tokens: int = int(entry["num_tokens"])
+        where = f"splits.{split}"
+        self.num_tokens: int = _count(_key(entry, "num_tokens", f"{where}.num_tokens", meta_path), f"{where}.num_tokens", meta_path)
         self._shards: list[np.memmap] = []
+        self._files: list[Path] = []
         starts = [0]
-        for shard in entry["shards"]:
-            self._shards.append(self._open_shard(shard, verify_checksums))
+        shards = _key(entry, "shards", f"{where}.shards", meta_path)
+        if not isinstance(shards, list):
+            raise InputError(f"{meta_path}: {where}.shards must be a list, got {type(shards).__name__}")
+        for i, shard in enumerate(shards):
+            self._shards.append(self._open_shard(shard, verify_checksums, f"{where}.shards[{i}]"))
+            self._files.append(self.path / shard["file"])
             starts.append(starts[-1] + int(shard["num_tokens"]))
         self._starts = np.asarray(starts, dtype=np.int64)  # stream offset of each shard, plus the end
         if starts[-1] != self.num_tokens:
@@ -91,9 +116,13 @@ class PackedDataset:
                 f"expected_tokenizer_sha256 is {expected[:12]}…: the model was trained with another tokenizer"
             )
 
-    def _open_shard(self, shard: dict[str, Any], verify: bool) -> np.memmap:
-        f = self.path / shard["file"]
-        n = int(shard["num_tokens"])
+    def _open_shard(self, shard: dict[str, Any], verify: bool, field: str) -> np.memmap:
+        m = self._meta_path
+        name = _key(shard, "file", f"{field}.file", m)
+        if not isinstance(name, str) or not name:
+            raise InputError(f"{m}: {field}.file={name!r} must be a file name")
+        f = self.path / name
+        n = _count(_key(shard, "num_tokens", f"{field}.num_tokens", m), f"{field}.num_tokens", m)
         if not f.is_file():
             raise FileNotFoundError(f"token shard {f} is missing (listed in {self.path / 'meta.json'})")
         want = n * self.dtype.itemsize
@@ -101,7 +130,7 @@ class PackedDataset:
         if have != want:
             kind = "truncated" if have < want else "longer than expected"
             raise ValueError(f"token shard {f} is {kind}: {have} bytes, meta.json says {n} tokens x {self.dtype.itemsize} = {want}")
-        if verify and (digest := sha256_file(f)) != shard["sha256"]:
+        if verify and (digest := sha256_file(f)) != _key(shard, "sha256", f"{field}.sha256", m):
             raise ValueError(
                 f"token shard {f} is corrupted: sha256 {digest[:12]}… != {shard['sha256'][:12]}… in meta.json "
                 "(pass verify_checksums=False to skip this check)"
@@ -109,7 +138,9 @@ class PackedDataset:
         return np.memmap(f, dtype=self.dtype, mode="r", shape=(n,))
 
     def _open_index(self, entry: dict[str, Any], verify: bool) -> np.ndarray:
-        f = self.path / entry["doc_index"]
+        where = f"splits.{self.split}"
+        f = self.path / str(_key(entry, "doc_index", f"{where}.doc_index", self._meta_path))
+        n_docs = _count(_key(entry, "num_documents", f"{where}.num_documents", self._meta_path), f"{where}.num_documents", self._meta_path)
         if not f.is_file():
             raise FileNotFoundError(f"document index {f} is missing (listed in {self.path / 'meta.json'})")
         if verify and "doc_index_sha256" in entry and (digest := sha256_file(f)) != entry["doc_index_sha256"]:
@@ -121,12 +152,12 @@ class PackedDataset:
         ok = (
             offsets.ndim == 1
             and offsets.dtype == np.int64
-            and offsets.size == int(entry["num_documents"]) + 1
+            and offsets.size == n_docs + 1
             and offsets[0] == 0
             and offsets[-1] == self.num_tokens
         )
         if not ok:
-            raise ValueError(f"document index {f} does not match meta.json ({entry['num_documents']} documents, {self.num_tokens} tokens)")
+            raise ValueError(f"document index {f} does not match meta.json ({n_docs} documents, {self.num_tokens} tokens)")
         return offsets
 
     # ------------------------------------------------------------------ access
@@ -146,6 +177,11 @@ class PackedDataset:
         if len(parts) == 1:
             return np.array(parts[0])
         return np.concatenate(parts) if parts else np.empty(0, dtype=self.dtype)
+
+    def locate(self, pos: int) -> tuple[Path, int]:
+        """Stream position ``pos`` -> (the shard file holding it, the token offset within that shard)."""
+        k = int(np.searchsorted(self._starts, pos, side="right")) - 1
+        return self._files[k], pos - int(self._starts[k])
 
     def document(self, d: int) -> np.ndarray:
         """Tokens of document `d` without its trailing EOS."""

@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from msar_train.errors import InputError
+
 TAG_RE = re.compile(r"^step(\d{8})$")
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -43,7 +45,7 @@ CLIENT_KEY = "msar"
 FORMAT_VERSION = 1
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint that cannot be used; the message starts with its path."""
 
 
@@ -89,16 +91,22 @@ def atomic_write_text(path: Path, text: str) -> None:
     content or the new one, never a partial file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep the half-written temp file
+        raise
 
 
-def write_manifest(ckpt_dir: Path, step: int, entries: dict[str, dict[str, Any]]) -> Path:
+def write_manifest(ckpt_dir: Path, step: int, entries: dict[str, dict[str, Any]], **extra: Any) -> Path:
+    """``extra``: JSON fields stored beside the file list (``config``: the resolved config,
+    ``tokenizer_sha256``), which a resume checks without unpickling DeepSpeed's files."""
     ckpt_dir = Path(ckpt_dir)
-    manifest = {"format": FORMAT_VERSION, "tag": ckpt_dir.name, "step": int(step), "files": entries}
+    manifest = {"format": FORMAT_VERSION, "tag": ckpt_dir.name, "step": int(step), "files": entries, **extra}
     atomic_write_text(ckpt_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     return ckpt_dir / MANIFEST
 
@@ -211,6 +219,44 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     return gone
 
 
+def saved_config(ckpt_dir: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """(resolved config, tokenizer sha256 or None) of the run that wrote a verified checkpoint: from
+    its manifest, or for checkpoints older than that field from the client state in DeepSpeed's
+    stage-0 model file."""
+    if "config" in manifest:
+        return manifest["config"], manifest.get("tokenizer_sha256")
+    from omegaconf import OmegaConf
+
+    from msar_train.train.consolidate import _client_cfg
+
+    cfg, _ = _client_cfg(Path(ckpt_dir))
+    return OmegaConf.to_container(cfg, resolve=True), None
+
+
+def write_failure(err: BaseException, where: Path) -> OSError | None:
+    """The OS error behind a failed checkpoint write, or None when ``err`` is not one.
+
+    ``OSError`` is itself; torch's zip writer reports a full disk as ``RuntimeError: [enforce fail at
+    inline_container.cc...] unexpected pos`` without the errno, so for that a small probe file is
+    written next to the checkpoint to learn the OS's reason (ENOSPC, EIO, EROFS...)."""
+    if isinstance(err, OSError):
+        return err
+    text = str(err)
+    if not isinstance(err, RuntimeError) or not any(k in text for k in ("inline_container", "PytorchStreamWriter", "file write failed")):
+        return None
+    probe = Path(where) / f".write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as fh:
+            fh.write(b"\0" * (1 << 20))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as e:
+        return e
+    finally:
+        probe.unlink(missing_ok=True)
+    return OSError(f"the checkpoint writer failed ({text.splitlines()[0][:200]})")
+
+
 # ------------------------------------------------------------------------------------ RNG state
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -269,7 +315,9 @@ __all__ = [
     "resolve_model_dir",
     "resolve_resume",
     "rng_state",
+    "saved_config",
     "set_rng_state",
     "tag_for",
     "verify",
+    "write_failure",
 ]

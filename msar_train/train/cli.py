@@ -6,16 +6,22 @@ Examples: ``msar-train residual=attnres model=tiny trainer.max_steps=30``;
 run dirs under ``sweeps/<experiment.name>/``; finished jobs are skipped; ``experiment=study_backends``
 runs a whole study: see ``train/sweep.py``).
 
-Exit status: 0 done (also after SIGTERM / SIGINT: the step finishes and a checkpoint is saved);
-2 bad config or unusable checkpoint (the message names the field or file); 3 halted after
-``trainer.max_consecutive_skips`` consecutive non-finite steps.
+Exit status (``msar_train/errors.py``): 0 done (also after SIGTERM / SIGINT: the step finishes and a
+checkpoint is saved); 2 bad input: a config field, a data file, a checkpoint, a run dir in use (one line
+naming the field or file); 3 halted after ``trainer.max_consecutive_skips`` consecutive non-finite steps;
+4 a checkpoint could not be written (the previous one is intact); anything else is a bug and prints its
+traceback. ``MSAR_DEBUG=1`` shows tracebacks for every error. In a multi-rank run the rank that finds an
+error prints it; the others exit without a message of their own.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from omegaconf import OmegaConf
+
+from msar_train.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT_WRITE, EXIT_HALTED, CheckpointWriteError, InputError, ReportedElsewhere, debug
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,17 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         print(OmegaConf.to_yaml(cfg))
         return 0
 
-    from msar_train.train.checkpoint import CheckpointError
-    from msar_train.train.trainer import Trainer, TrainingHalted
-
-    try:
-        result = Trainer(cfg).fit()
-    except CheckpointError as e:
-        print(f"msar-train: checkpoint error: {e}", file=sys.stderr)
-        return 2
-    except TrainingHalted as e:
-        print(f"msar-train: training halted: {e}", file=sys.stderr)
-        return 3
+    result = run_trainer(cfg)
+    if isinstance(result, int):
+        return result
     if result.owns_loss and result.stopped_by_signal:
         print(f"stopped by {result.stopped_by_signal} after step {result.steps}; checkpoint saved, continue with trainer.resume=auto")
     if result.owns_loss:
@@ -62,6 +60,51 @@ def main(argv: list[str] | None = None) -> int:
         print(f"final step={result.steps} train/loss={train} val/loss={val}")
         print(f"run dir: {result.run_dir}")
     return 0
+
+
+def _rank() -> str:
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return f"rank {os.environ.get('RANK', '?')}: " if world > 1 else ""
+
+
+def _lost_peer(err: BaseException) -> bool:
+    """A collective that failed because another rank went away (it exited after its own error)."""
+    import torch.distributed as tdist
+
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+        return False
+    markers = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout", "timed out")
+    return isinstance(err, getattr(tdist, "DistError", ())) or (isinstance(err, RuntimeError) and any(m in str(err) for m in markers))
+
+
+def run_trainer(cfg):
+    """``Trainer(cfg).fit()``; an error of the documented kinds becomes one line on stderr and its exit code."""
+    from msar_train.train.trainer import Trainer, TrainingHalted
+
+    codes = (
+        (InputError, EXIT_BAD_INPUT, ""),
+        (TrainingHalted, EXIT_HALTED, "training halted: "),
+        (CheckpointWriteError, EXIT_CHECKPOINT_WRITE, ""),
+    )
+    try:
+        return Trainer(cfg).fit()
+    except ReportedElsewhere as e:
+        if debug():
+            raise
+        return e.code
+    except Exception as e:
+        if debug():
+            raise
+        for kind, code, prefix in codes:
+            if isinstance(e, kind):
+                first, *rest = str(e).splitlines() or [""]
+                print(f"msar-train: {_rank()}{prefix}{first}", *rest, sep="\n", file=sys.stderr, flush=True)
+                return code
+        if _lost_peer(e):
+            why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            print(f"msar-train: {_rank()}stopped: another rank ended ({why}); its message says why", file=sys.stderr, flush=True)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from msar_train.config.store import short_name
+from msar_train.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT_WRITE, CheckpointWriteError, ReportedElsewhere
 from msar_train.train.checkpoint import atomic_write_text
 from msar_train.train.records import RECORD, build_record, read_record, write_record
+from msar_train.train.rundir import RunDirBusy
 
 WALL_CLOCK = ".sweep_wall_s"  # seconds spent on a job by earlier, interrupted attempts
 
@@ -97,6 +99,10 @@ def run_job(cfg: DictConfig, job_dir: Path, name: str, overrides: list[str], cho
         trainer = Trainer(cfg)
         world = trainer.engine.dp_world
         result = trainer.fit()
+    except (RunDirBusy, CheckpointWriteError, ReportedElsewhere) as e:  # transient: not the job's result, no record
+        print(f"msar-train: sweep job {name}: {e}", file=sys.stderr, flush=True)
+        code = e.code if isinstance(e, ReportedElsewhere) else EXIT_BAD_INPUT if isinstance(e, RunDirBusy) else EXIT_CHECKPOINT_WRITE
+        raise SweepInterrupted(code) from None
     except Exception as e:  # noqa: BLE001 - recorded, then re-raised for Hydra's summary
         status, error = "failed", f"{type(e).__name__}: {e}"
         record = build_record(cfg, job_dir, name=name, overrides=overrides, choices=choices, wall_time_s=time.perf_counter() - t0,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -21,10 +22,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from msar_train.data import build_data
+from msar_train.data.corpora import CorpusFetchError
+from msar_train.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT_WRITE, CheckpointWriteError, InputError, ReportedElsewhere
 from msar_train.parallel.engine import Engine
 from msar_train.train import checkpoint as ckpt
 from msar_train.train.metrics import MetricsWriter, git_commit, new_run_id
 from msar_train.train.progress import Progress
+from msar_train.train.rundir import RunLock, model_differences, set_aside_metrics
 
 
 def seed_everything(seed: int) -> None:
@@ -93,34 +97,47 @@ class Trainer:
             torch.set_num_threads(t.threads)
         seed_everything(t.seed)
         self.engine = Engine(cfg)
-        e = self.engine
         # One run dir for all ranks (the default has a timestamp): rank 0 decides.
         box = [str(Path(t.run_dir) if t.run_dir else default_run_dir(cfg))]
         dist.broadcast_object_list(box, src=0)
         self.run_dir = Path(box[0])
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if e.rank == 0:
-            OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=True)
-        p = cfg.parallel
-        self.data = build_data(
-            cfg.data,
-            model_vocab_size=cfg.model.vocab_size,
-            seed=t.seed,
-            micro_batch_size=p.micro_batch_size,
-            rank=e.dp_rank,
-            world=e.dp_world,
-        )
+        self.metrics = None
+        self.lock = RunLock(self.run_dir)
+        try:
+            self._collective_check(self._take_run_dir)
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self) -> None:
+        cfg, t, e, p = self.cfg, self.cfg.trainer, self.engine, self.cfg.parallel
+        import deepspeed.comm as dist
+
+        try:
+            self.data = build_data(
+                cfg.data,
+                model_vocab_size=cfg.model.vocab_size,
+                seed=t.seed,
+                micro_batch_size=p.micro_batch_size,
+                rank=e.dp_rank,
+                world=e.dp_world,
+            )
+        except (ValueError, OSError, CorpusFetchError) as err:  # the data the config names: user input
+            raise err if isinstance(err, InputError) else InputError(str(err)) from err
         self.step = 0
         self.skipped_total = 0
         self.consecutive_skips = 0
         self._last_saved = -1
         self._stop_signal: int | None = None
+        # Nothing is written to the run dir before the resume decision is validated (rundir.py).
         self.resumed_from = self._resume()
+        if e.rank == 0:
+            OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=True)
         box = [self._run_id or new_run_id()]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0)  # also orders rank 0's run-dir writes before the metrics writer
         self.run_id = box[0]
-        self.metrics = None
         if e.owns_loss:
             if self.resumed_from is not None:
                 _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
@@ -128,25 +145,70 @@ class Trainer:
         self._train_iter = iter(self.data.train)
         self._flops_per_token = self._estimate_flops_per_token()
 
-    # ------------------------------------------------------------------------------- resume
-    def _resume(self) -> Path | None:
-        """Collective: rank 0 picks the checkpoint (``trainer.resume``), every rank loads it."""
+    def close(self) -> None:
+        """Release the run dir (idempotent); ``fit`` ends with it."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        self.lock.release()
+
+    def _collective_check(self, fn):
+        """Run ``fn`` on rank 0; its ``InputError`` is raised there and every other rank raises
+        ``ReportedElsewhere`` (no message of its own). Returns ``fn``'s result on every rank."""
         import deepspeed.comm as dist
 
-        self._run_id = None
         box: list = [None, None]
         if self.engine.rank == 0:
             try:
-                found = ckpt.resolve_resume(self.cfg.trainer.resume, self.ckpt_root)
-                box = [None if found is None else str(found), None]
-            except ckpt.CheckpointError as err:
-                box = [None, str(err)]
-        dist.broadcast_object_list(box, src=0)
+                box = [fn(), None]
+            except InputError as err:
+                box = [None, err]
+        if self.engine.world > 1:
+            dist.broadcast_object_list(box, src=0)
         if box[1] is not None:
-            raise ckpt.CheckpointError(box[1])
-        if box[0] is None:
+            if self.engine.rank == 0:
+                raise box[1]
+            raise ReportedElsewhere(EXIT_BAD_INPUT)
+        return box[0]
+
+    def _take_run_dir(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()
+
+    # ------------------------------------------------------------------------------- resume
+    def _decide_resume(self) -> str | None:
+        """Rank 0: the checkpoint to continue (``trainer.resume``) after checking that it holds this
+        run's model; for a fresh start the run dir's old metrics are set aside (``rundir.py``)."""
+        t = self.cfg.trainer
+        found = ckpt.resolve_resume(t.resume, self.ckpt_root)
+        if found is None:
+            if str(t.resume).strip() == "none":
+                valid = [d for d in ckpt.checkpoint_dirs(self.ckpt_root) if (d / ckpt.MANIFEST).is_file()]
+                if valid:
+                    raise InputError(
+                        f"trainer.resume=none: {self.ckpt_root} holds checkpoints of an earlier run (newest {valid[0].name}); "
+                        "a fresh start would mix two runs' checkpoints. Use trainer.resume=auto to continue it, another "
+                        "trainer.run_dir, or delete them"
+                    )
+            set_aside_metrics(self.run_dir)
             return None
-        where = Path(box[0])
+        manifest = ckpt.verify(found, hash_files=False)
+        saved, saved_tok = ckpt.saved_config(found, manifest)
+        diffs = model_differences(saved, OmegaConf.to_container(self.cfg, resolve=True), saved_tok, self.data.meta.get("tokenizer_sha256"))
+        if diffs:
+            raise ckpt.CheckpointError(
+                f"{found}: trained with another model than this run's config; nothing was loaded (trainer.resume={t.resume}). "
+                "Differences:\n  " + "\n  ".join(diffs)
+            )
+        return str(found)
+
+    def _resume(self) -> Path | None:
+        """Collective: rank 0 picks and checks the checkpoint, every rank loads it."""
+        self._run_id = None
+        found = self._collective_check(self._decide_resume)
+        if found is None:
+            return None
+        where = Path(found)
         state = self.engine.load(where.parent, where.name).get(ckpt.CLIENT_KEY)
         if state is None:
             raise ckpt.CheckpointError(f"{where}: a DeepSpeed checkpoint without msar training state (not written by msar-train)")
@@ -165,21 +227,28 @@ class Trainer:
     # --------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
         """Collective. DeepSpeed writes its files, every rank hashes a share of them, rank 0 writes the
-        manifest, then the ``latest`` pointer (both atomically), then prunes to ``keep_last``."""
+        manifest, then the ``latest`` pointer (both atomically), then prunes to ``keep_last``.
+
+        A write that fails for an OS reason (disk full, I/O error, permission) on any rank removes the
+        partial directory, leaves the previous checkpoint and ``latest`` as they were, and raises
+        ``CheckpointWriteError`` (exit 4) on the ranks that failed, ``ReportedElsewhere`` on the others."""
         import deepspeed.comm as dist
 
         e, t = self.engine, self.cfg.trainer
         tag = ckpt.tag_for(self.step)
         target = self.ckpt_root / tag
+        err = None
         if e.rank == 0:
-            self.ckpt_root.mkdir(parents=True, exist_ok=True)
-            if target.exists():  # a stale or partial save of this step: never mix its files or manifest in
-                import shutil
-
-                shutil.rmtree(target)
-        dist.barrier()
+            try:
+                self.ckpt_root.mkdir(parents=True, exist_ok=True)
+                if target.exists():  # a stale or partial save of this step: never mix its files or manifest in
+                    shutil.rmtree(target)
+            except OSError as x:
+                err = x
+        self._agree_on_save(err, target)
         rngs = [None] * e.world
         dist.all_gather_object(rngs, ckpt.rng_state())
+        config = OmegaConf.to_container(self.cfg, resolve=True)
         client = {
             ckpt.CLIENT_KEY: {
                 "format": ckpt.FORMAT_VERSION,
@@ -188,12 +257,20 @@ class Trainer:
                 "consecutive_skips": self.consecutive_skips,
                 "train_loader": self.data.train.state_dict(),
                 "rng": rngs,
-                "config": OmegaConf.to_container(self.cfg, resolve=True),
+                "config": config,
                 "git_commit": git_commit(),
                 "wandb_run_id": self.run_id,
             }
         }
-        e.save(self.ckpt_root, tag, client)  # ends with a barrier: every file is on disk
+        try:
+            e.save(self.ckpt_root, tag, client)  # ends with a barrier: every file is on disk
+        except Exception as x:  # noqa: BLE001 - an OS failure is reported below, anything else re-raised
+            err = ckpt.write_failure(x, self.ckpt_root)
+            if err is None:
+                raise
+            if e.world > 1:  # the ranks that wrote their files wait in DeepSpeed's closing barrier
+                dist.barrier()
+        self._agree_on_save(err, target)
         files = ckpt.payload_files(target) if e.rank == 0 else None
         box = [files]
         dist.broadcast_object_list(box, src=0)
@@ -202,12 +279,47 @@ class Trainer:
         dist.all_gather_object(shares, mine)
         if e.rank == 0:
             entries = {k: v for s in shares for k, v in s.items()}
-            ckpt.write_manifest(target, self.step, entries)
-            ckpt.atomic_write_text(self.ckpt_root / ckpt.LATEST, tag)
+            try:
+                ckpt.write_manifest(target, self.step, entries, config=config, tokenizer_sha256=self.data.meta.get("tokenizer_sha256"))
+                ckpt.atomic_write_text(self.ckpt_root / ckpt.LATEST, tag)
+            except OSError as x:
+                err = x
+        self._agree_on_save(err, target)
+        if e.rank == 0:
             ckpt.prune(self.ckpt_root, t.keep_last)
         dist.barrier()
         self._last_saved = self.step
         return target
+
+    def _agree_on_save(self, err: OSError | None, target: Path) -> None:
+        """Collective: when any rank's part of the save failed, remove the partial ``target`` and stop."""
+        import deepspeed.comm as dist
+
+        flag = torch.tensor([0.0 if err is None else 1.0])
+        if self.engine.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        if self.engine.rank == 0:
+            shutil.rmtree(target, ignore_errors=True)  # what is left has no manifest: `auto` skips it
+        if err is None:
+            raise ReportedElsewhere(EXIT_CHECKPOINT_WRITE)
+        raise CheckpointWriteError(
+            f"checkpoint of step {self.step} could not be written to {target}: {err}; the partial checkpoint was removed. "
+            + self._last_valid_note()
+        )
+
+    def _last_valid_note(self) -> str:
+        latest = self.ckpt_root / ckpt.LATEST
+        try:
+            tag = latest.read_text().strip()
+            ckpt.verify(self.ckpt_root / tag, hash_files=False)
+        except (OSError, ckpt.CheckpointError):
+            return "There is no earlier valid checkpoint: this run cannot be resumed."
+        return (
+            f"The last valid checkpoint is step {ckpt.step_of(Path(tag))} ({self.ckpt_root / tag}), untouched, and "
+            f"{latest} still points to it: free space (or fix the error) and rerun with trainer.resume=auto."
+        )
 
     # ---------------------------------------------------------------------------------- steps
     def train_step(self) -> dict[str, float]:
@@ -375,13 +487,13 @@ class Trainer:
                         self.save_checkpoint()
                     if stop or stop_at:
                         break
+                    self.lock.touch()  # the run dir's heartbeat (rundir.py)
+            if self.step == t.max_steps and self._last_saved != self.step:  # resumed at max_steps: nothing ran
+                self.save_checkpoint()
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-            if self.metrics is not None:
-                self.metrics.close()
-        if self.step == t.max_steps and self._last_saved != self.step:  # resumed at max_steps: nothing ran
-            self.save_checkpoint()
+            self.close()
         name = signal.Signals(self._stop_signal).name if self._stop_signal else None
         return FitResult(self.run_dir, self.step, train_loss, val_loss, owner, stopped_by_signal=name, resumed_from=self.resumed_from)
 
