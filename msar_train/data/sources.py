@@ -77,12 +77,18 @@ class Source:
             coll = self.collections.get(name)
             if coll is None:
                 continue
-            for i, text in enumerate(iter_texts(coll, self.text_field)):
-                split = name
-                if name == "train" and self.carve and self._is_val(i):
-                    split = "validation"
-                if text:
-                    yield split, text
+            try:
+                for i, text in enumerate(iter_texts(coll, self.text_field)):
+                    split = name
+                    if name == "train" and self.carve and self._is_val(i):
+                        split = "validation"
+                    if text:
+                        yield split, text
+            except UnicodeDecodeError as e:  # a streaming dataset decodes while it is read: name the file
+                files = self.description.get("files", {}).get(name, [])
+                bad = next((f for f in files if not _is_utf8(Path(f))), None)
+                where = f"input file {bad}" if bad else f"the {name} input {files[:5] or self.description}"
+                raise ValueError(f"{where} is not UTF-8 text ({e}); convert it (iconv -t utf-8) or drop it") from None
 
     def train_texts(self) -> Iterator[str]:
         """Non-empty documents that end up in the train split (for tokenizer training)."""
@@ -92,6 +98,21 @@ class Source:
         if self._val_mask is not None:
             return bool(self._val_mask[i])
         return _unit_hash(self.split_seed, i) < self.val_fraction
+
+
+def _is_utf8(path: Path, chunk: int = 1 << 24) -> bool:
+    """Whether a file decodes as UTF-8 (incrementally: a code point may straddle two chunks)."""
+    import codecs
+
+    dec = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(chunk):
+                dec.decode(block)
+            dec.decode(b"", final=True)
+    except (UnicodeDecodeError, OSError):
+        return False
+    return True
 
 
 def iter_texts(coll: Any, text_field: str) -> Iterator[str]:
@@ -228,6 +249,9 @@ def files_source(
                 cache_dir=str(hf_cache_dir), streaming=streaming, **kwargs,
             )  # fmt: skip
     except Exception as e:  # datasets wraps parse errors in several types; name the inputs
+        bad = next((f for f in all_files if fmt != "parquet" and not _is_utf8(f)), None)
+        if bad is not None:
+            raise ValueError(f"input file {bad} is not UTF-8 text; convert it (iconv -t utf-8) or drop it") from e
         raise ValueError(f"could not read {fmt} files {[str(f) for f in all_files][:5]}: {e}") from e
     desc = {"kind": "files", "format": fmt, "streaming": streaming, "files": {s: [str(f) for f in fs] for s, fs in resolved.items()}}
     if fmt == "text":

@@ -1,4 +1,7 @@
-"""``msar-params [overrides]``: total and active parameter counts, on the meta device (no weights).
+"""``msar-params [hydra overrides]``: total and active parameter counts, on the meta device (no weights).
+
+Example: ``msar-params model=moe_10b residual=msar`` prints one JSON object
+``{"total_params": ..., "active_params": ..., "residual_params": ...}``; exit status 2 on a bad override.
 
 Active = total minus, in every MoE layer, the routed experts a token does not use
 (``n_routed - top_k`` of them). Embedding and LM head count in both (once when tied).
@@ -29,8 +32,12 @@ def count_params(cfg) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     from msar_train.config import compose_config
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(__doc__)
+        return 0
     try:
-        cfg = compose_config(list(sys.argv[1:] if argv is None else argv))
+        cfg = compose_config(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"msar-params: {e}", file=sys.stderr)
         return 2

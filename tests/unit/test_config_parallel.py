@@ -84,3 +84,34 @@ def test_cli_exits_2_on_a_bad_parallel_config(capsys, tmp_path):
     assert train_main(["parallel=pp2", "parallel.zero_stage=2", f"trainer.run_dir={tmp_path}/x"]) == 2
     assert "parallel.zero_stage=2" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("residual", ["msar", "attnres", "vanilla"])
+def test_compose_time_layout_check_agrees_with_the_partitioner(residual):
+    """One check (``validate_pipeline_layout``) refuses exactly the layouts the partitioner cannot cut,
+    so a layout ``msar-plan`` refuses never reaches a launched run (``pp_stages=4 residual.n_blocks=1``)."""
+    from msar_train.errors import ConfigError
+    from msar_train.parallel.partition import partition
+
+    seen = set()
+    for n_blocks in (1, 2, 3, 8) if residual != "vanilla" else (None,):
+        for P, V in ((2, 1), (3, 1), (4, 1), (2, 2), (2, 3), (4, 2)):
+            for method in ("blocks", "uniform"):
+                ov = [f"residual={residual}", f"parallel.pp_stages={P}", f"parallel.virtual_stages={V}"]
+                ov += [f"parallel.partition_method={method}"]
+                ov += [] if n_blocks is None else [f"residual.n_blocks={n_blocks}"]
+                try:
+                    cfg = compose_config(ov)
+                    composed = True
+                except ConfigError as e:
+                    composed = False
+                    assert str(e).startswith(("parallel.pp_stages=", "parallel.virtual_stages=")), e
+                    cfg = compose_config([o for o in ov if "stages" not in o])
+                try:
+                    partition(cfg.model, cfg.residual, P * V, method)
+                    cut = True
+                except ValueError:
+                    cut = False
+                assert composed == cut, (ov, composed, cut)
+                seen.add(composed)
+    assert seen == {True, False} or residual == "vanilla"

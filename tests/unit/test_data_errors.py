@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import time
 import zipfile
@@ -172,3 +173,44 @@ def test_ptb_parsed_without_running_its_code(tmp_path: Path, monkeypatch: pytest
     (out / ".complete").write_text("test")  # marks the cache complete: no fetch below
     monkeypatch.setattr(corpora.subprocess, "run", lambda *a, **k: pytest.fail("a cached corpus must not run pip"))
     assert corpora.load_builtin("ptb", tmp_path) == {"train": ["a b", "c d"], "validation": ["v"], "test": ["t", "u"]}
+
+
+@pytest.mark.parametrize("streaming", ["false", "true"])
+def test_non_utf8_input_names_the_file(tmp_path: Path, capsys, streaming: str) -> None:
+    good, bad = tmp_path / "a.txt", tmp_path / "b.txt"
+    good.write_text("plain text " * 20, encoding="utf-8")
+    bad.write_bytes(b"more text \xff\xfe broken " * 20)
+    rc = main([f"files={good},{bad}", f"streaming={streaming}", f"out_dir={tmp_path / 'out'}", "vocab_size=300", "num_proc=1",
+               "progress=false", f"cache_dir={tmp_path / 'cache'}"])  # fmt: skip
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"input file {bad} is not UTF-8 text" in err and str(good) not in err, err
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"vocab_size": "lots"}, "vocab_size='lots' must be a non-negative integer"),
+        ({"eos_id": -1}, "eos_id=-1 must be a non-negative integer"),
+        ({"dtype": "float7"}, "dtype='float7' must be uint16 or uint32"),
+        ({"splits": "all"}, "splits must be an object"),
+    ],
+)
+def test_meta_json_wrong_types_name_the_field_and_file(prepared: Path, change: dict, field: str) -> None:
+    meta = json.loads((prepared / "meta.json").read_text())
+    meta.update(change)
+    (prepared / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=re.escape(f"{prepared / 'meta.json'}: {field}")):
+        PackedDataset(prepared, "train")
+
+
+def test_meta_json_shard_fields_name_their_path(prepared: Path) -> None:
+    meta = json.loads((prepared / "meta.json").read_text())
+    meta["splits"]["train"]["shards"][0]["num_tokens"] = "12"
+    (prepared / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=re.escape("splits.train.shards[0].num_tokens='12' must be a non-negative integer")):
+        PackedDataset(prepared, "train")
+    del meta["splits"]["train"]["shards"][0]["file"]
+    (prepared / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=re.escape("splits.train.shards[0].file is missing")):
+        PackedDataset(prepared, "train")
