@@ -10,6 +10,8 @@
    uninterrupted run's losses bit for bit.
 
 Every run goes through ``scripts/launch_local.sh`` (``torch.distributed.run`` over gloo on loopback).
+Measured on 2 shared CPU cores: PP2 200 steps 147 s, PP2 x EP2 100 steps 151 s, the 20-step reference
+27 s, SIGKILL 45 s, SIGSTOP 103 s (64 s of it waiting for the job to end), SIGTERM 38 s: ~9 min in all.
 """
 
 from __future__ import annotations
