@@ -14,25 +14,12 @@ import zlib
 import torch
 from torch import nn
 
-_ATTR = "_msar_init"
-
-
-def tag_init(p: nn.Parameter, kind: str, value: float | None = None) -> nn.Parameter:
-    """kind: normal (value = std) | zeros | ones | const (value) | eye (value * I) | causal_mix (value = s)."""
-    setattr(p, _ATTR, (kind, value))
-    return p
+from msar_train.init_tags import ATTR as _ATTR
+from msar_train.init_tags import causal_mix_
 
 
 def _generator(seed: int, key: str) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(f"{seed}/{key}".encode()) & 0x7FFFFFFF)
-
-
-@torch.no_grad()
-def causal_mix_(p: torch.Tensor, s: float) -> torch.Tensor:
-    """Conv taps ``[K, D]``, tap 0 = the current token: ``(1 - s) * delta + s / K`` (identity to moving average)."""
-    p.fill_(s / p.shape[0])
-    p[0] += 1.0 - s
-    return p
 
 
 @torch.no_grad()

@@ -97,9 +97,9 @@ class Engine:
         import deepspeed.comm as dist
 
         from msar_train.model.transformer import Transformer
+        from msar_train.parallel.optim import build_scheduler, param_groups
         from msar_train.parallel.pipeline import LossFn, MSARPipelineModule
         from msar_train.residual import build_backend
-        from msar_train.train.optim import build_scheduler, param_groups
 
         self.cfg = cfg
         p = cfg.parallel

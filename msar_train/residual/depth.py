@@ -16,9 +16,9 @@ import math
 import torch
 from torch import nn
 
+from msar_train.init_tags import causal_mix_, tag_init
 from msar_train.kernels import depth_attention as da
 from msar_train.kernels.dispatch import DepthKernel
-from msar_train.model.init import causal_mix_, tag_init
 from msar_train.residual.base import Branch, Diagnosable, ResidualBackend, ResidualSite, SeqContext, State
 from msar_train.residual.layout import BlockLayout
 

@@ -16,8 +16,8 @@ import math
 import torch
 from torch import nn
 
+from msar_train.init_tags import tag_init
 from msar_train.kernels.depth_attention import rms_normalize
-from msar_train.model.init import tag_init
 from msar_train.residual.base import Branch, ResidualBackend, ResidualSite, SeqContext, State, register
 
 

@@ -4,7 +4,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from msar_train.config.schema import TrainerConfig
-from msar_train.train.optim import lr_factor, param_groups
+from msar_train.parallel.optim import lr_factor, param_groups
 from tests.unit.helpers import build, preset
 
 

@@ -96,3 +96,31 @@ def test_sbatch_refuses_to_run_outside_slurm(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     res = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert res.returncode != 0 and "run this through sbatch" in res.stderr
+
+
+# Packages of msar_train from the bottom up (docs/decisions.md "Layering"): a module may import its
+# own package and the ones below, never one above (imports inside functions count too).
+LAYERS = {"errors": 0, "init_tags": 0, "config": 1, "kernels": 2, "data": 2, "residual": 3, "model": 4, "parallel": 5, "train": 6}
+
+
+def test_no_import_runs_up_the_layering():
+    import ast
+
+    pkg = ROOT / "msar_train"
+    upward = []
+    for f in sorted(pkg.rglob("*.py")):
+        rel = f.relative_to(pkg).parts
+        if rel == ("__init__.py",):
+            continue
+        own = rel[0].removesuffix(".py")
+        assert own in LAYERS, f"{own}: add the new package to LAYERS (and to docs/decisions.md)"
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "msar_train" and len(parts) > 1 and LAYERS.get(parts[1], -1) > LAYERS[own]:
+                    upward.append(f"{f.relative_to(ROOT)} imports {name}")
+    assert not upward, upward
