@@ -1,0 +1,69 @@
+"""Golden runs (``scripts/golden_runs.py``, files in ``tests/golden/``): today's per-step numerics of
+every residual preset and of a PP2 V2 run, bitwise on the platform that wrote them.
+
+The default run checks the four backends and the PP2 V2 run (~40 s); the ablation presets run in
+``make test-all`` (slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed._launch import REPO, env
+
+BACKENDS = ["vanilla", "mhc", "attnres", "msar"]
+
+
+def _golden():
+    spec = importlib.util.spec_from_file_location("golden_runs", REPO / "scripts" / "golden_runs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _check(names: list[str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "golden_runs.py"), "--check", *names],
+        env=env(), cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert "golden runs match" in proc.stdout
+
+
+def test_every_preset_has_a_golden_file():
+    g = _golden()
+    have = {p.stem for p in g.GOLDEN.glob("*.json")}
+    assert have == {*g.presets(), f"{g.PIPE_PRESET}-pp2-v2"}
+    for name in have:
+        d = json.loads((g.GOLDEN / f"{name}.json").read_text())
+        assert [s["step"] for s in d["steps"]] == list(range(1, g.STEPS + 1))
+        assert set(d["platform"]) == {"torch", "deepspeed", "machine", "cpu_capability"} and d["tolerance_rel"]
+
+
+def test_compare_is_bitwise_on_the_same_platform_else_within_the_tolerance(monkeypatch):
+    g = _golden()
+    facts = {"torch": "t", "deepspeed": "d", "machine": "m", "cpu_capability": "c"}
+    monkeypatch.setattr(g, "platform_facts", lambda: facts)
+    golden = {"name": "x", "platform": dict(facts), "tolerance_rel": {"train/loss": 1e-3}, "steps": [{"step": 1, "train/loss": 2.0}]}
+    assert g.compare(golden, [{"step": 1, "train/loss": 2.0}]) == []
+    assert g.compare(golden, [{"step": 1, "train/loss": 2.0 + 1e-9}])  # one ulp-ish: bitwise fails
+    golden["platform"]["cpu_capability"] = "other"
+    assert g.compare(golden, [{"step": 1, "train/loss": 2.0 + 1e-9}]) == []
+    assert g.compare(golden, [{"step": 1, "train/loss": 2.01}])
+    golden["steps"][0]["comm/bytes_per_step"] = 10
+    assert g.compare(golden, [{"step": 1, "train/loss": 2.0, "comm/bytes_per_step": 11}])  # bytes: always exact
+
+
+@pytest.mark.distributed
+def test_backends_and_the_pp2_v2_run_match_their_golden_files():
+    _check(BACKENDS)
+
+
+@pytest.mark.slow
+def test_ablation_presets_match_their_golden_files():
+    g = _golden()
+    _check([p for p in g.presets() if p not in BACKENDS])
