@@ -25,9 +25,9 @@ def _golden():
     return mod
 
 
-def _check(names: list[str]) -> None:
+def _check(names: list[str], mode: str = "--check") -> None:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "golden_runs.py"), "--check", *names],
+        [sys.executable, str(REPO / "scripts" / "golden_runs.py"), mode, *names],
         env=env(), cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
@@ -67,3 +67,34 @@ def test_backends_and_the_pp2_v2_run_match_their_golden_files():
 def test_ablation_presets_match_their_golden_files():
     g = _golden()
     _check([p for p in g.presets() if p not in BACKENDS])
+
+
+def test_the_backends_train_in_bf16_on_cpu_close_to_fp32():
+    """parallel.dtype=bfloat16 on CPU: finite, and within golden_runs.BF16_TOL nats of the fp32 golden losses."""
+    _check(BACKENDS, "--bf16")
+
+
+@pytest.mark.slow
+def test_the_ablation_presets_train_in_bf16_on_cpu_close_to_fp32():
+    g = _golden()
+    _check([p for p in g.presets() if p not in BACKENDS], "--bf16")
+
+
+def test_depth_attention_statistics_stay_fp32_for_bf16_activations():
+    """The spec: softmax statistics (max, sum of exponentials) in fp32 whatever the activation dtype."""
+    import torch
+
+    from msar_train.kernels.depth_attention import expand_keys, phase1, phase2
+
+    B, T, D, M = 2, 5, 16, 3
+    gen = torch.Generator().manual_seed(0)
+
+    def expand(s):
+        return expand_keys([s * (r + 1) for r in range(M)], 1e-6)
+
+    srcs = [(torch.randn(B, T, D, generator=gen).to(torch.bfloat16), expand) for _ in range(3)]
+    qg = torch.randn(M, D, generator=gen)
+    p1 = phase1(srcs[:2], qg, 1e-6)
+    assert p1.mx_MBT.dtype == torch.float32 and p1.se_MBT.dtype == torch.float32
+    z = phase2(p1, srcs[2], qg, 1e-6)
+    assert z.dtype == torch.bfloat16 and torch.isfinite(z.float()).all()
