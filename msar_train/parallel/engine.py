@@ -55,6 +55,24 @@ def init_distributed(p: DictConfig) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 
 
+def shutdown_distributed() -> None:
+    """End a run's process groups on every rank together: a barrier, then ``destroy_process_group``.
+
+    Left to the interpreter's exit, gloo's worker threads are torn down by static destructors in no
+    fixed order, and now and then one rank aborts with ``terminate called without an active
+    exception`` (SIGABRT, exit -6) after training has finished and its checkpoint is written: the
+    launcher then reports the whole run failed. Call only after a run that ended normally on every
+    rank (a barrier with a rank gone would wait for the timeout). A single process keeps its group:
+    DeepSpeed caches groups of it (expert and data-parallel groups) that a later run in the same
+    process (tests, a sweep) reuses, and a lone gloo group has no peer thread to abort on."""
+    import torch.distributed as tdist
+
+    if not tdist.is_available() or not tdist.is_initialized() or tdist.get_world_size() < 2:
+        return
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
 @dataclass
 class StepResult:
     loss: float  # CE + aux, mean over the step's micro-batches and data-parallel ranks
@@ -113,10 +131,12 @@ class Engine:
         self.loss_fn = _guarded_loss(LossFn)
         torch.manual_seed(cfg.trainer.seed)
         expert_groups = None
+        self.ep_rank = 0  # which slice of the routed experts this rank holds (train/reshard.py)
         if p.ep_size > 1:
             from msar_train.parallel.expert import expert_groups_from_deepspeed
 
             expert_groups = expert_groups_from_deepspeed(p.ep_size, p.pp_stages)  # collective, before any model
+            self.ep_rank = expert_groups.ep_rank
         if self.pipelined:
             m = cfg.model
             backend = build_backend(cfg.residual, m.n_layers, m.d_model, m.norm_eps, m.init_std)

@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     result = run_trainer(cfg)
     if isinstance(result, int):
         return result
+    from msar_train.parallel.engine import shutdown_distributed
+
+    shutdown_distributed()
     if result.owns_loss and result.stopped_by_signal:
         print(f"stopped by {result.stopped_by_signal} after step {result.steps}; checkpoint saved, continue with trainer.resume=auto")
     if result.owns_loss:
