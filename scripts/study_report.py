@@ -338,7 +338,8 @@ def compute_at(fit: tuple[float, float, float, float], loss: float) -> float:
     E, A, alpha, c0 = fit
     if loss <= E:
         return float("inf")
-    return c0 * (A / (loss - E)) ** (1.0 / alpha)
+    with np.errstate(over="ignore"):
+        return float(c0 * np.float64(A / (loss - E)) ** (1.0 / alpha))
 
 
 def fits_for(cells: dict, corpus: str, backends: list[str], models: list[str], seed_sample: list[int]) -> dict[str, tuple]:
@@ -436,8 +437,18 @@ def scaling_section(records: list[dict], images: Path, n_boot: int, rng: np.rand
                 mult = compute_at(base["vanilla"][0], t) / compute_at(base[b][0], t)
                 bs = [compute_at(f["vanilla"][0], t) / compute_at(f[b][0], t) for f in boots if "vanilla" in f and b in f]
                 bs = [x for x in bs if math.isfinite(x)]
-                iv = f"[{np.percentile(bs, 2.5):.3f}, {np.percentile(bs, 97.5):.3f}] ({len(bs)} fits)" if bs else "n/a"
-                out.append(f"| {b} | {t:.4f} | {mult:.3f}x | {iv} | {PAPER.get(b, '-')} |")
+                if len(seeds) < 2:
+                    iv = "n/a (one seed: every resample is the same)"
+                else:
+                    iv = f"[{np.percentile(bs, 2.5):.3f}, {np.percentile(bs, 97.5):.3f}] ({len(bs)} fits)" if bs else "n/a"
+                cv, cb = compute_at(base["vanilla"][0], t), compute_at(base[b][0], t)
+                if not (math.isfinite(cv) and math.isfinite(cb)):
+                    name, f = ("vanilla", base["vanilla"][0]) if not math.isfinite(cv) else (b, base[b][0])
+                    why = "never reaches it" if t <= f[0] else f"is almost flat (alpha = {f[2]:.4f}): C beyond float range"
+                    shown = f"undefined: {name}'s fit (E = {f[0]:.4f}) {why}"
+                else:
+                    shown = f"{mult:.3f}x"
+                out.append(f"| {b} | {t:.4f} | {shown} | {iv} | {PAPER.get(b, '-')} |")
         ax.set_xscale("log")
         ax.set_xlabel("training FLOPs (analytic)")
         ax.set_ylabel("final validation loss")
