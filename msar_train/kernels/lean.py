@@ -207,6 +207,7 @@ class TargetFn(torch.autograd.Function):
         fusion_params, srcs = rest[: ctx.n_fusion], rest[ctx.n_fusion :]
         dh_BTD = dh_BTD.contiguous()
         streams_S, rinvs = zip(*(_streams_of(e, s, M) for e, s in zip(entries, srcs)))
+        streams_S = list(streams_S)
         with torch.no_grad():
             if qg_MD is None:
                 L = None
@@ -267,6 +268,11 @@ class TargetFn(torch.autograd.Function):
                 for r in range(1, M):  # expansion 'none': M copies of the identity
                     ds = ds + dE[r]
             del dE
+            if is_partial or not e.weights or e.tok is None:
+                # Nothing later reads this entry's streams (a shared entry's sink releases its own):
+                # drop them, or every target's node would keep its sources' streams to the graph's end.
+                e.release()
+            streams_S[j] = None
             ds_out.append(ds.to(srcs[j].dtype))
             grads_in.append(None if e.tok is None or is_partial else e.tok.new_zeros(0))
         flat = []

@@ -18,6 +18,12 @@ What it reports (``plan(cfg)``):
                 (``grad_accum`` micro-batches, both directions), the figures the interleaved engine
                 measures as ``comm/bytes_per_step``; ``comm_paper_summary_bytes_*``: the AttnRes paper's
                 formulas for the summary part of the forward traffic, for comparison.
+    memory:     per pipeline rank the estimated peak bytes and its parts (``parallel/memory.py``): params,
+                grads, optimizer, activations (the in-flight micro-batches' and the worst layer's
+                transient), step_transient, total / total_gib, and with ``memory.device_gib`` set also
+                ``fits``. ``memory_world_size`` is the world the estimate assumes (``memory.world_size``,
+                else WORLD_SIZE, else ``pp_stages * ep_size``). A rank that does not fit is named on stderr
+                and msar-plan exits 1 after printing the plan (docs/decisions.md).
 
 Shapes use B = ``parallel.micro_batch_size`` and T = ``data.seq_len``; float tensors have the activation
 dtype (``parallel.dtype``; ``auto`` = bfloat16 when CUDA is visible, else float32), document-mask tensors are
@@ -27,6 +33,7 @@ int64. The layer ranges are the ones the pipeline engine uses (``parallel/partit
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -35,9 +42,11 @@ from omegaconf import DictConfig
 from msar_train.model.transformer import layer_specs
 from msar_train.parallel.comm import carry_specs, comm_plan
 from msar_train.parallel.ds_config import resolve_dtype
+from msar_train.parallel.memory import check_fit, memory_plan
 from msar_train.parallel.partition import partition
 from msar_train.residual import build_backend
 
+EXIT_DOES_NOT_FIT = 1  # the plan is valid but some rank's estimate exceeds memory.device_gib (docs/decisions.md)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int64: "int64"}
 
 
@@ -66,6 +75,15 @@ def stage_param_counts(cfg: DictConfig, backend, ranges: list[list[tuple[int, in
                     seen[id(p)] = p.numel()
         counts.append(sum(seen.values()))
     return counts
+
+
+def memory_world_size(cfg: DictConfig) -> int:
+    p = cfg.parallel
+    if cfg.memory.world_size is not None:
+        return cfg.memory.world_size
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"])
+    return p.pp_stages * p.ep_size
 
 
 def plan(cfg: DictConfig) -> dict:
@@ -105,6 +123,9 @@ def plan(cfg: DictConfig) -> dict:
         if P > 1:  # both directions (activations forward, their gradients back), per micro-batch
             boundaries[-1]["hop_bytes_naive"] = comm["comm_hop_bytes_naive"][c - 1]
             boundaries[-1]["hop_bytes_cached"] = comm["comm_hop_bytes_cached"][c - 1]
+    world = memory_world_size(cfg)
+    memory = memory_plan(cfg, backend, ranges, dtype, world)
+    warnings = check_fit(memory, cfg.memory.device_gib)
     return {
         "model": m.name,
         "residual": cfg.residual.name,
@@ -123,6 +144,13 @@ def plan(cfg: DictConfig) -> dict:
         "comm_bytes_cached": comm["comm_bytes_cached"],
         "comm_paper_summary_bytes_naive": comm.get("comm_paper_summary_bytes_naive", 0),
         "comm_paper_summary_bytes_cached": comm.get("comm_paper_summary_bytes_cached", 0),
+        "memory_world_size": world,
+        "zero_stage": p.zero_stage,
+        "ep_size": p.ep_size,
+        "activation_checkpointing": bool(p.activation_checkpointing),
+        "memory_device_gib": cfg.memory.device_gib,
+        "memory": memory,
+        "memory_warnings": warnings,
     }
 
 
@@ -140,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"msar-plan: {e}", file=sys.stderr)
         return 2
     print(json.dumps(out))
-    return 0
+    for w in out["memory_warnings"]:
+        print(w, file=sys.stderr)
+    return EXIT_DOES_NOT_FIT if out["memory_warnings"] else 0
 
 
 if __name__ == "__main__":

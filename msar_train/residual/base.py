@@ -113,6 +113,21 @@ class ResidualBackend(ABC):
         """FLOPs of this backend's own math (everything but the branches) in one forward, per token
         (a multiply-add = 2). ``model/flops.py`` adds it to the model's matmul count."""
 
+    @abstractmethod
+    def site_activation_bytes(self, layer_idx: int, sublayer: int, batch: int, seq: int, elem: int) -> int:
+        """Bytes one site keeps for backward per micro-batch (its new state included, the branch's own
+        tensors excluded); ``elem`` = bytes per activation element. ``parallel/memory.py`` adds them up."""
+
+    def exit_activation_bytes(self, batch: int, seq: int, elem: int) -> int:
+        """Bytes the exit module keeps for backward per micro-batch (0: it only reads the state)."""
+        return 0
+
+    def site_backward_bytes(self, layer_idx: int, sublayer: int, batch: int, seq: int, elem: int, checkpointed: bool) -> int:
+        """Extra bytes live while this site runs its backward, beyond the layer's carries and their
+        gradients (workspace the backward recomputes, and state it holds across layers); 0 by default.
+        ``layer_idx = n_layers`` is the exit."""
+        return 0
+
     def state_names(self, after_layer: int) -> list[str]:
         """Names of the ``state_shapes(after_layer, ...)`` tensors, in order (for ``msar-plan``)."""
         return [f"state{i}" for i in range(len(self.state_shapes(after_layer, 1, 1)))]

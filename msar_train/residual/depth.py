@@ -155,6 +155,40 @@ class DepthBackend(ResidualBackend):
         n_completed, has_partial = self.layout.state_after(2 * after_layer)
         return [f"b_{j}" for j in range(n_completed)] + ([f"partial_b_{n_completed}"] if has_partial else [])
 
+    # Memory of the default lean path (kernels/lean.py, residual.kernel torch | compile), counted from
+    # its code; the Triton kernels save the same per target. N = batch * seq, C = M - 1 conv streams.
+    def _conv_streams(self) -> int:
+        return self.num_streams - 1 if self.conv else 0
+
+    def site_activation_bytes(self, layer_idx: int, sublayer: int, batch: int, seq: int, elem: int) -> int:
+        """Kept per target: its output (the branch input) and the new partial / summary (D each), the
+        fp32 softmax statistic ``lse`` (M per token) and, for a new source, its streams' fp32 inverse
+        RMS (M per token). Nothing of size M x D: the backward recomputes the streams."""
+        M = self.num_streams
+        return batch * seq * (elem * 2 * self.d_model + 4 * 2 * M)
+
+    def exit_activation_bytes(self, batch: int, seq: int, elem: int) -> int:
+        return batch * seq * (elem * self.d_model + 4 * self.num_streams)
+
+    def site_backward_bytes(self, layer_idx: int, sublayer: int, batch: int, seq: int, elem: int, checkpointed: bool) -> int:
+        """A target's backward recomputes its sources' conv streams and forms, one source at a time,
+        the M stream gradients, next to the recomputed mixture z and its gradient (M x D each).
+        Shared (no checkpointing): the streams of every completed source and their summed gradient
+        (C x D each) stay from the first reader's backward (the exit) to the source's sink, so a
+        target in block n sees those of b_0 .. b_{n-1}; its partial's streams are its own.
+        Checkpointed: each target expands all its S sources itself and drops them after."""
+        lay, M, C, D, N = self.layout, self.num_streams, self._conv_streams(), self.d_model, batch * seq
+        if layer_idx >= self.n_branches // 2:  # the exit
+            completed, partial = lay.n_blocks + 1, 0
+        else:
+            branch = self.branch_index(layer_idx, sublayer)
+            completed, partial = lay.block_of(branch), int(not lay.is_first(branch))
+        S = completed + partial
+        stats = 4 * 3 * S * M * N  # logits, weights and inverse RMS of every (source, stream)
+        if checkpointed:
+            return elem * N * D * (S * C + 3 * M) + stats
+        return elem * N * D * (2 * C * completed + partial * C + 3 * M) + stats
+
     def forward_flops_per_token(self) -> float:
         """Expansions (convs + key RMS) once per source, then per target and stream the logits, the
         weighted sum and the softmax over its sources, and the adaptive fusion."""

@@ -114,6 +114,17 @@ class MHCBackend(ResidualBackend):
     def state_names(self, after_layer: int) -> list[str]:
         return ["streams"]
 
+    def site_activation_bytes(self, layer_idx: int, sublayer: int, batch: int, seq: int, elem: int) -> int:
+        """Normalised flat streams and the new streams (n x D each), the pre-mixed branch input and the
+        branch output (D each), the maps in fp32 (pre, post, their logits; Sinkhorn keeps each
+        iteration's row and column sums and quotients: 2 iters (n^2 + n))."""
+        n, d, iters = self.cfg.mhc_streams, self.d_model, self.cfg.sinkhorn_iters
+        maps = 4 * (4 * n + 3 * n * n + 2 * iters * (n * n + n))
+        return batch * seq * (elem * (2 * n * d + 2 * d) + maps)
+
+    def exit_activation_bytes(self, batch: int, seq: int, elem: int) -> int:
+        return elem * batch * seq * self.d_model  # the stream mean
+
     def forward_flops_per_token(self) -> float:
         n, d, iters = self.cfg.mhc_streams, self.d_model, self.cfg.sinkhorn_iters
         # RMSNorm of n*d; the three maps (n*d -> 2n + n^2); Hres x and Hpost^T f (2 n^2 d + ...);

@@ -43,5 +43,8 @@ class VanillaBackend(ResidualBackend):
     def state_names(self, after_layer: int) -> list[str]:
         return ["h"]
 
+    def site_activation_bytes(self, layer_idx: int, sublayer: int, batch: int, seq: int, elem: int) -> int:
+        return elem * batch * seq * self.d_model  # h + f(h): the new hidden state
+
     def forward_flops_per_token(self) -> float:
         return float(self.n_branches * self.d_model)  # one add per branch
