@@ -233,6 +233,20 @@ def saved_config(ckpt_dir: Path, manifest: dict[str, Any]) -> tuple[dict[str, An
     return OmegaConf.to_container(cfg, resolve=True), None
 
 
+def saved_world_size(ckpt_dir: Path, manifest: dict[str, Any]) -> int | None:
+    """The number of ranks that wrote a verified checkpoint: from its manifest, or for checkpoints
+    older than that field from DeepSpeed's stage-0 model file (data-parallel x pipeline degree)."""
+    if "world_size" in manifest:
+        return int(manifest["world_size"])
+    from msar_train.train.consolidate import load_file, model_states_file
+
+    state = load_file(model_states_file(Path(ckpt_dir), 0))
+    try:
+        return int(state["dp_world_size"]) * int(state["mp_world_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def write_failure(err: BaseException, where: Path) -> OSError | None:
     """The OS error behind a failed checkpoint write, or None when ``err`` is not one.
 
@@ -316,6 +330,7 @@ __all__ = [
     "resolve_resume",
     "rng_state",
     "saved_config",
+    "saved_world_size",
     "set_rng_state",
     "tag_for",
     "verify",

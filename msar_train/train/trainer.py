@@ -26,6 +26,7 @@ from msar_train.data.corpora import CorpusFetchError
 from msar_train.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT_WRITE, CheckpointWriteError, InputError, ReportedElsewhere
 from msar_train.parallel.engine import Engine
 from msar_train.train import checkpoint as ckpt
+from msar_train.train import reshard
 from msar_train.train.metrics import MetricsWriter, git_commit, new_run_id
 from msar_train.train.progress import Progress
 from msar_train.train.rundir import RunLock, model_differences, set_aside_metrics
@@ -200,23 +201,39 @@ class Trainer:
                 f"{found}: trained with another model than this run's config; nothing was loaded (trainer.resume={t.resume}). "
                 "Differences:\n  " + "\n  ".join(diffs)
             )
-        return str(found)
+        saved_layout = reshard.layout_of(saved.get("parallel", {}), ckpt.saved_world_size(found, manifest))
+        return str(found), saved_layout != self._layout()
+
+    def _layout(self) -> dict:
+        return reshard.layout_of(OmegaConf.to_container(self.cfg.parallel, resolve=True), self.engine.world)
 
     def _resume(self) -> Path | None:
         """Collective: rank 0 picks and checks the checkpoint, every rank loads it."""
         self._run_id = None
-        found = self._collective_check(self._decide_resume)
-        if found is None:
+        decided = self._collective_check(self._decide_resume)
+        if decided is None:
             return None
-        where = Path(found)
-        state = self.engine.load(where.parent, where.name).get(ckpt.CLIENT_KEY)
+        where, relayout = Path(decided[0]), decided[1]
+        if relayout:  # another layout wrote it: through the one logical model (train/reshard.py)
+            logical = reshard.read_state(where)
+            reshard.apply_state(self.engine, logical)
+            state = logical.client
+            if self.engine.owns_loss:
+                old = reshard.layout_of(logical.cfg.parallel, len(state.get("rng") or []) or None)
+                changed = ", ".join(f"{k} {old[k]} -> {v}" for k, v in self._layout().items() if old.get(k) != v)
+                print(f"msar-train: {where} was written under another layout ({changed}); resharded", flush=True)
+        else:
+            state = self.engine.load(where.parent, where.name).get(ckpt.CLIENT_KEY)
         if state is None:
             raise ckpt.CheckpointError(f"{where}: a DeepSpeed checkpoint without msar training state (not written by msar-train)")
         self.step = int(state["step"])
         self._last_saved = self.step
         self.skipped_total = int(state.get("skipped_total", 0))
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
-        self.data.train.load_state_dict(state["train_loader"])
+        try:
+            self.data.train.load_state_dict(state["train_loader"], relayout=True)  # another micro-batch split too
+        except ValueError as err:
+            raise ckpt.CheckpointError(f"{where}: {err}") from None
         rngs = state["rng"]
         ckpt.set_rng_state(rngs[self.engine.rank] if len(rngs) == self.engine.world else rngs[0])
         self._run_id = state.get("wandb_run_id")
@@ -260,6 +277,7 @@ class Trainer:
                 "config": config,
                 "git_commit": git_commit(),
                 "wandb_run_id": self.run_id,
+                "param_names": reshard.optimizer_param_names(e),  # this rank's; a layout change reads them
             }
         }
         try:
@@ -280,7 +298,9 @@ class Trainer:
         if e.rank == 0:
             entries = {k: v for s in shares for k, v in s.items()}
             try:
-                ckpt.write_manifest(target, self.step, entries, config=config, tokenizer_sha256=self.data.meta.get("tokenizer_sha256"))
+                ckpt.write_manifest(
+                    target, self.step, entries, config=config, tokenizer_sha256=self.data.meta.get("tokenizer_sha256"), world_size=e.world
+                )
                 ckpt.atomic_write_text(self.ckpt_root / ckpt.LATEST, tag)
             except OSError as x:
                 err = x
@@ -468,6 +488,7 @@ class Trainer:
                         log_now = True
                     if log_now:
                         m.update(self.moe_metrics())
+                        m.update(self.data.train.metrics())  # data/tokens/<name> of a mixture
                         if window:
                             train_loss = m["train/loss_avg"] = float(np.mean(window))
                             window = []

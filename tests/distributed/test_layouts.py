@@ -1,9 +1,9 @@
 """Checkpoint layouts: consolidation of every layout into the single-process model.
 
-Each layout trains the same tiny job (``LAYOUT_COMMON``: 4 steps, checkpoints at steps 2 and 4, the same 4
-samples per step under every layout, see ``_launch.py``) through ``_layout_worker.py``, which afterwards
-lets the layout evaluate one validation batch and keeps its logits. The runs are made once per session
-(``layout_runs``) and shared by every test here.
+Each layout trains the same tiny job (``_layouts.py``: 4 steps, checkpoints at steps 2 and 4, the same 4
+samples per step under every layout) through ``_layout_worker.py``, which afterwards lets the layout
+evaluate one validation batch and keeps its logits. The runs are made once per session (the
+``layout_runs`` fixture of ``conftest.py``) and shared with ``test_relayout.py``.
 
 Consolidation (``train/consolidate.py``): the consolidated single-process ``Transformer`` of the step-4
 checkpoint gives the logits the layout itself computed for that batch.
@@ -20,71 +20,9 @@ import torch
 
 from msar_train.train import checkpoint as ckpt
 from msar_train.train.consolidate import consolidate
-from tests.distributed._launch import run, torchrun_cmd
+from tests.distributed._layouts import LAYOUTS
 
 pytestmark = pytest.mark.distributed
-
-WORKER = Path(__file__).with_name("_layout_worker.py")
-LAYOUT_COMMON = [
-    "model=tiny",
-    "residual=msar",
-    "data.seq_len=32",
-    "parallel.micro_batch_size=2",
-    "trainer.max_steps=4",
-    "trainer.warmup_steps=1",  # the cosine decay runs inside the 4 steps: a wrong schedule on resume shows
-    "trainer.save_every=2",
-    "trainer.log_every=1",
-    "trainer.eval_every=4",
-    "trainer.eval_batches=1",
-    "trainer.progress=false",
-    "logger.mode=disabled",
-    "logger.residual_every=0",
-    "logger.heatmap_every=0",
-]
-# name -> (ranks, overrides). Global batch 4 samples per step everywhere (micro 2 x accum x DP).
-LAYOUTS: dict[str, tuple[int, list[str]]] = {
-    "single": (1, ["parallel=single", "parallel.grad_accum=2"]),
-    "zero2": (2, ["parallel=dp_zero2", "parallel.grad_accum=1"]),
-    "pp2": (2, ["parallel=pp2", "parallel.grad_accum=2"]),
-    "pp2_v2": (2, ["parallel=pp2", "parallel.virtual_stages=2", "parallel.grad_accum=2"]),
-    "ep2": (2, ["parallel=ep2", "parallel.grad_accum=1"]),
-    "pp2_ep2": (4, ["parallel=pp2_ep2", "parallel.grad_accum=1"]),
-}
-TIMEOUT_S = 300
-
-
-def train_layout(run_dir: Path, nproc: int, *overrides: str) -> Path:
-    """Run the worker (``nproc`` ranks; one rank: no launcher) into ``run_dir``."""
-    args = [str(run_dir), *LAYOUT_COMMON, *overrides, f"trainer.run_dir={run_dir}"]
-    if nproc == 1:
-        import sys
-
-        cmd = [sys.executable, str(WORKER), *args]
-    else:
-        cmd = torchrun_cmd(nproc, WORKER, *args)
-    run(cmd, f"layout {overrides}")
-    return run_dir
-
-
-class LayoutRuns:
-    def __init__(self, root: Path):
-        self.root = root
-        self._done: dict[str, Path] = {}
-
-    def __call__(self, name: str) -> Path:
-        if name not in self._done:
-            nproc, overrides = LAYOUTS[name]
-            self._done[name] = train_layout(self.root / name, nproc, *overrides)
-        return self._done[name]
-
-
-@pytest.fixture(scope="session")
-def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> LayoutRuns:
-    return LayoutRuns(tmp_path_factory.mktemp("layouts"))
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/total_loss" in r]
 
 
 def logits_files(run_dir: Path) -> list[Path]:

@@ -376,7 +376,9 @@ def test_a_fresh_start_never_mixes_two_runs(trained, tmp_path):
     assert [r["step"] for r in steps(run_dir)] == [1, 2, 3, 4]  # the new file: each step once
 
 
-@pytest.mark.parametrize("script", ["msar-train", "msar-params", "msar-prepare-data", "msar-plan"])
+@pytest.mark.parametrize(
+    "script", ["msar-train", "msar-params", "msar-prepare-data", "msar-plan", "msar-eval", "msar-export", "msar-generate"]
+)
 def test_help_works_for_every_console_script(script):
     import tomllib
 
@@ -391,4 +393,5 @@ def test_every_console_script_is_covered():
     import tomllib
 
     scripts = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])
-    assert scripts == {"msar-train", "msar-params", "msar-prepare-data", "msar-plan"}, "add new scripts to the --help test"
+    covered = {"msar-train", "msar-params", "msar-prepare-data", "msar-plan", "msar-eval", "msar-export", "msar-generate"}
+    assert scripts == covered, "add new scripts to the --help test"
