@@ -68,6 +68,15 @@ class ResidualConfig:
 
 
 @dataclass
+class MixtureSourceConfig:
+    """One source of ``data.mixture`` (README "Data mixtures")."""
+
+    path: str | None = None  # a dir made by msar-prepare-data (meta.json + tokenizer.json + token shards)
+    weight: float = 1.0  # share of the training samples: weight / sum of the weights
+    name: str | None = None  # metric suffix (data/tokens/<name>); default: the basename of `path`
+
+
+@dataclass
 class DataConfig:
     # built-in corpus (shakespeare | ptb) prepared into cache_dir when `path` is null
     corpus: str = "shakespeare"
@@ -83,6 +92,9 @@ class DataConfig:
     num_proc: int = 2  # tokenizer processes when preparing `corpus`
     # refuse data tokenized with another tokenizer (sha256 of its tokenizer.json); null = no check
     expected_tokenizer_sha256: str | None = None
+    # weighted mixture of prepared dirs (one tokenizer); non-empty = train on it instead of `path` /
+    # `corpus` (data.path must then be null); validation is the same fixed mixture of their validation splits
+    mixture: list[MixtureSourceConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -137,6 +149,14 @@ class ParallelConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """``msar-plan``'s memory estimate (``parallel/memory.py``)."""
+
+    device_gib: float | None = None  # memory of one device; ranks whose estimated peak exceeds it are flagged; null = no check
+    world_size: int | None = None  # ranks the estimate assumes (sets the data-parallel size); null = WORLD_SIZE, else pp_stages * ep_size
+
+
+@dataclass
 class LoggerConfig:
     mode: str = "offline"  # online | offline | disabled (wandb); JSONL is always written
     project: str = "msar-train"
@@ -166,4 +186,5 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from msar_train.config.schema import TrainConfig
 from msar_train.errors import ConfigError
@@ -115,6 +116,21 @@ def validate_logger(lg: DictConfig) -> None:
             _fail(f"logger.{n}", lg[n], "must be >= 0 (0 = off)")
     if lg.peak_tflops is not None and lg.peak_tflops <= 0:
         _fail("logger.peak_tflops", lg.peak_tflops, "must be > 0 or null")
+
+
+def validate_memory(mem: DictConfig, p: DictConfig) -> None:
+    if mem.device_gib is not None and not mem.device_gib > 0:
+        _fail("memory.device_gib", mem.device_gib, "must be > 0 (GiB of one device) or null (no check)")
+    if mem.world_size is not None:
+        if mem.world_size <= 0:
+            _fail("memory.world_size", mem.world_size, "must be > 0 or null")
+        if mem.world_size % p.pp_stages or (mem.world_size // p.pp_stages) % p.ep_size:
+            _fail(
+                "memory.world_size",
+                mem.world_size,
+                f"must be a multiple of parallel.pp_stages={p.pp_stages} whose quotient (the data-parallel size) "
+                f"parallel.ep_size={p.ep_size} divides",
+            )
 
 
 def _chunk_cut_points(cfg: DictConfig) -> int:
@@ -227,6 +243,41 @@ def validate_world(p: DictConfig, world_size: int) -> None:
         )
 
 
+def mixture_entries(mixture, path=None) -> list[tuple[str, str, float]]:
+    """``data.mixture`` -> ``[(name, path, weight)]``, or a ``ConfigError`` naming the entry's field.
+
+    Each entry needs a path and a weight that is a finite number >= 0, the weights must sum to > 0,
+    and the names (default: the path's basename) must be unique: they name the ``data/tokens/<name>``
+    metrics. ``path`` is ``data.path``, which must be unset when a mixture is given. Pure (no file
+    access): run at compose time and again when the data is built (``data/mixture.py``).
+    """
+    if path not in (None, "???", ""):
+        _fail("data.path", path, "must be null when data.mixture is given (the mixture names its own dirs)")
+    out: list[tuple[str, str, float]] = []
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(mixture):
+        at = f"data.mixture[{i}]"
+        get = entry.get if hasattr(entry, "get") else lambda k, e=entry: getattr(e, k, None)
+        p, w, name = get("path"), get("weight"), get("name")
+        if p is None or not str(p).strip():
+            _fail(f"{at}.path", p, "every mixture source needs the path of a dir made by msar-prepare-data")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            _fail(f"{at}.weight", w, "must be a finite number >= 0")
+        if w < 0:
+            _fail(f"{at}.weight", w, "must be >= 0")
+        name = str(name) if name is not None else os.path.basename(os.path.normpath(os.path.expanduser(str(p))))
+        if not name or "/" in name:
+            _fail(f"{at}.name", name, "must be a non-empty name without '/' (it is the metric suffix data/tokens/<name>)")
+        if name in seen:
+            _fail(f"{at}.name", name, f"is also the name of data.mixture[{seen[name]}]: names must be unique (set data.mixture[{i}].name)")
+        seen[name] = i
+        out.append((name, str(p), float(w)))
+    total = sum(w for _, _, w in out)
+    if out and not total > 0:
+        _fail("data.mixture[*].weight", [w for _, _, w in out], "the weights must sum to a positive number")
+    return out
+
+
 def check_known_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
     """Hydra's ``+key=value`` can append keys the schema does not know; refuse them by name."""
     fields = {f.name: f for f in dataclasses.fields(schema)}
@@ -248,4 +299,7 @@ def validate(cfg: DictConfig) -> None:
     validate_parallel(cfg.parallel, cfg, int(world) if world else None)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         _fail("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
+    if cfg.data.get("mixture"):
+        mixture_entries(cfg.data.mixture, None if OmegaConf.is_missing(cfg.data, "path") else cfg.data.path)
     validate_logger(cfg.logger)
+    validate_memory(cfg.memory, cfg.parallel)

@@ -4,7 +4,8 @@ Public API (imported lazily, so ``msar_train.data.prepare`` and its worker proce
 for importing torch):
 
 * `build_data(data_cfg, model_vocab_size, seed, micro_batch_size, rank=0, world=1) -> DataBundle`
-* `DataBundle`, `PackedLoader`, `PackedDataset`, `Batch` (see `build.py`, `loader.py`, `packed.py`)
+* `DataBundle`, `PackedLoader`, `MixtureLoader`, `PackedDataset`, `Batch` (see `build.py`, `loader.py`,
+  `mixture.py`, `packed.py`)
 * `prepare(PrepareConfig)` / `msar_train.data.prepare.main(argv)` (CLI ``msar-prepare-data``)
 """
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from msar_train.data.build import DataBundle, build_data
     from msar_train.data.loader import Batch, PackedLoader
+    from msar_train.data.mixture import MixtureLoader
     from msar_train.data.packed import PackedDataset
     from msar_train.data.prepare import PrepareConfig, prepare
 
@@ -24,11 +26,12 @@ _EXPORTS = {
     "DataBundle": "msar_train.data.build",
     "PackedLoader": "msar_train.data.loader",
     "Batch": "msar_train.data.loader",
+    "MixtureLoader": "msar_train.data.mixture",
     "PackedDataset": "msar_train.data.packed",
     "PrepareConfig": "msar_train.data.prepare",
     "prepare": "msar_train.data.prepare",
 }
-__all__ = ["Batch", "DataBundle", "PackedDataset", "PackedLoader", "PrepareConfig", "build_data", "prepare"]
+__all__ = ["Batch", "DataBundle", "MixtureLoader", "PackedDataset", "PackedLoader", "PrepareConfig", "build_data", "prepare"]
 
 
 def __getattr__(name: str) -> Any:

@@ -4,6 +4,8 @@ With ``data.path`` null the built-in ``data.corpus`` is prepared once with a tra
 BPE of ``data.tokenizer_vocab_size`` into ``<cache_dir>/prepared/<corpus>-bpe<vocab>`` and reused
 while its meta.json matches the request (a file lock keeps concurrent ranks on one node from
 preparing twice). Otherwise ``data.path`` must be a directory made by ``msar-prepare-data``.
+A non-empty ``data.mixture`` replaces both: its prepared dirs are mixed by `MixtureLoader`
+(``mixture.py``), validation and test being the same fixed mixture of their splits.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from omegaconf.errors import MissingMandatoryValue
 from msar_train.data.corpora import BUILTIN_CORPORA
 from msar_train.data.io import file_lock, read_json, resolve_cache_dir
 from msar_train.data.loader import PackedDataset, PackedLoader
+from msar_train.data.mixture import MixtureLoader, open_mixture
 from msar_train.data.prepare import FORMAT_VERSION, PrepareConfig, prepare
 
 
@@ -29,13 +32,13 @@ class DataBundle:
     has no such split. `vocab_size` is the tokenizer's (<= the model's); `meta` is meta.json.
     """
 
-    train: PackedLoader
-    val: PackedLoader | None
+    train: PackedLoader | MixtureLoader
+    val: PackedLoader | MixtureLoader | None
     vocab_size: int
     meta: dict[str, Any]
     path: Path
     eos_id: int = 0
-    test: PackedLoader | None = None
+    test: PackedLoader | MixtureLoader | None = None
 
 
 def _field(cfg: Any, name: str, default: Any) -> Any:
@@ -99,6 +102,9 @@ def build_data(data_cfg: Any, model_vocab_size: int, seed: int, micro_batch_size
     Raises ValueError naming the field when the tokenizer vocab exceeds `model_vocab_size`
     (checked before any preparation when the vocab is known up front).
     """
+    mixture = _field(data_cfg, "mixture", None)
+    if mixture:
+        return _build_mixture(data_cfg, mixture, model_vocab_size, seed, micro_batch_size, rank, world)
     path = _field(data_cfg, "path", None)
     verify = bool(_field(data_cfg, "verify_checksums", True))
     corpus = str(_field(data_cfg, "corpus", "shakespeare"))
@@ -137,4 +143,34 @@ def build_data(data_cfg: Any, model_vocab_size: int, seed: int, micro_batch_size
     return DataBundle(
         train=train, val=fixed("validation"), vocab_size=train_ds.vocab_size, meta=train_ds.meta,
         path=root, eos_id=train_ds.eos_id, test=fixed("test"),
+    )  # fmt: skip
+
+
+def _build_mixture(
+    data_cfg: Any, mixture: Any, model_vocab_size: int, seed: int, micro_batch_size: int, rank: int, world: int
+) -> DataBundle:
+    """`build_data` for a non-empty ``data.mixture`` (checks in `open_mixture`)."""
+    opts = dict(verify_checksums=bool(_field(data_cfg, "verify_checksums", True)),
+                expected_tokenizer_sha256=_field(data_cfg, "expected_tokenizer_sha256", None))  # fmt: skip
+    path = _field(data_cfg, "path", None)
+    opened = open_mixture(mixture, path, "train", **opts)  # type: ignore[arg-type]
+    assert opened is not None  # every prepared dir has a train split (PackedDataset checks)
+    names, weights, train_ds = opened
+    first = train_ds[0]
+    if first.vocab_size > model_vocab_size:
+        raise ValueError(
+            f"the tokenizer of data.mixture[0].path={first.path} has {first.vocab_size} tokens, more than the model vocab "
+            f"(model.vocab_size={model_vocab_size})"
+        )
+    common = dict(seq_len=int(_field(data_cfg, "seq_len", 128)), micro_batch_size=micro_batch_size, seed=seed, rank=rank,
+                  world=world, document_mask=bool(_field(data_cfg, "document_mask", False)))  # fmt: skip
+
+    def fixed(split: str) -> MixtureLoader | None:
+        got = open_mixture(mixture, path, split, **opts)  # type: ignore[arg-type]
+        return None if got is None else MixtureLoader(got[2], got[0], got[1], shuffle=False, **common)  # type: ignore[arg-type]
+
+    return DataBundle(
+        train=MixtureLoader(train_ds, names, weights, shuffle=True, **common),  # type: ignore[arg-type]
+        val=fixed("validation"), vocab_size=first.vocab_size, meta=first.meta, path=first.path, eos_id=first.eos_id,
+        test=fixed("test"),
     )  # fmt: skip

@@ -172,6 +172,10 @@ class PackedLoader:
         for i in range(count):
             yield self.batch_at(epoch, i)
 
+    def metrics(self) -> dict[str, float]:
+        """Data metrics for the train log: none for one source (a mixture logs ``data/tokens/<name>``)."""
+        return {}
+
     # ------------------------------------------------------------------ resume
 
     def state_dict(self) -> dict[str, Any]:
@@ -189,14 +193,42 @@ class PackedLoader:
             "split": self.dataset.split,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], relayout: bool = False) -> None:
         """Continue exactly where `state` left off.
 
         The order-defining fields (seed, world, micro_batch_size, seq_len, shuffle, num_samples =
         the same data) must match this loader; `rank` may differ (ranks advance in lockstep, so
         rank 0's state serves every rank) and is kept.
+
+        ``relayout=True`` (a resume under another parallel layout) also accepts another `world` and
+        `micro_batch_size`: the ranks of a step together take the next ``micro_batch_size * world``
+        samples of the epoch's permutation (module doc), so the `index * B * w` samples consumed so far
+        are a prefix of it, and this loader continues after that prefix when its own ``B' * w'``
+        divides it (else a ``ValueError``: the sample order could not continue).
         """
-        for key in ("seed", "world", "micro_batch_size", "seq_len", "shuffle", "num_samples"):
+        if state.get("kind") == "mixture":
+            raise ValueError(
+                "the loader state is of a data.mixture run, not of one source: resuming would not continue the same sample order"
+            )
+        keys = ("seed", "world", "micro_batch_size", "seq_len", "shuffle", "num_samples")
+        if relayout and (state.get("world", self.world), state.get("micro_batch_size", self.micro_batch_size)) != (
+            self.world,
+            self.micro_batch_size,
+        ):
+            keys = ("seed", "seq_len", "shuffle", "num_samples")
+            consumed = int(state["index"]) * int(state["micro_batch_size"]) * int(state["world"])
+            per_step = self.micro_batch_size * self.world
+            if consumed % per_step:
+                raise ValueError(
+                    f"the checkpoint's data position ({consumed} samples of epoch {state['epoch']}, taken as "
+                    f"{state['world']} ranks x micro-batches of {state['micro_batch_size']}) is not a multiple of this layout's "
+                    f"parallel.micro_batch_size={self.micro_batch_size} x {self.world} data-parallel ranks = {per_step}: "
+                    "the sample order could not continue exactly"
+                )
+            state = {**state, "index": consumed // per_step, "world": self.world, "micro_batch_size": self.micro_batch_size}
+            if state["index"] >= self.steps_per_epoch:  # this layout's epoch ends before the prefix does
+                state.update(epoch=int(state["epoch"]) + 1, index=0)
+        for key in keys:
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"loader state has {key}={state[key]!r} but this loader has {key}={getattr(self, key)!r}: "

@@ -113,6 +113,35 @@ def test_resume_rejects_other_order(prepared: Path) -> None:
         _loader(prepared, world=2, micro_batch_size=2).load_state_dict(state)
 
 
+def test_relayout_continues_after_the_consumed_prefix(prepared: Path) -> None:
+    """World 2 x micro 3 for 2 steps took the first 12 samples of the epoch; world 3 x micro 2 (and
+    world 1 x micro 4 ... any B * w dividing 12) continues with samples 12, 13, ... of the same order."""
+    old = [_loader(prepared, world=2, rank=r) for r in range(2)]
+    for _ in range(2):
+        for ld in old:
+            next(ld)
+    state = json.loads(json.dumps(old[0].state_dict()))
+    for world, micro in ((3, 2), (1, 4), (4, 3), (6, 1)):
+        new = [_loader(prepared, world=world, rank=r, micro_batch_size=micro) for r in range(world)]
+        for ld in new:
+            ld.load_state_dict(state, relayout=True)
+        taken = sorted(int(x) for ld in new for x in ld.rank_samples(0)[ld.index * micro : (ld.index + 1) * micro])
+        # the reference: an uninterrupted world-1 loader's samples 12 .. 12 + world * micro of epoch 0
+        order = _loader(prepared, world=1, micro_batch_size=1).rank_samples(0)
+        assert taken == sorted(int(x) for x in order[12 : 12 + world * micro]), (world, micro)
+        first = next(new[0])
+        assert _same(first, new[0].batch_at(0, 12 // (world * micro)))
+
+
+def test_relayout_refuses_a_position_that_cannot_continue(prepared: Path) -> None:
+    old = _loader(prepared, world=2)
+    next(old)  # 6 samples consumed
+    with pytest.raises(ValueError, match=r"parallel.micro_batch_size=4 x 1 data-parallel ranks = 4"):
+        _loader(prepared, world=1, micro_batch_size=4).load_state_dict(old.state_dict(), relayout=True)
+    with pytest.raises(ValueError, match="seed=7"):  # the order itself must still be the same
+        _loader(prepared, world=1, micro_batch_size=2, seed=9).load_state_dict(old.state_dict(), relayout=True)
+
+
 def test_too_small_for_one_batch(prepared: Path) -> None:
     with pytest.raises(ValueError, match="micro_batch_size=1000"):
         _loader(prepared, micro_batch_size=1000)
