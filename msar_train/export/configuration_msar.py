@@ -29,7 +29,7 @@ class MsarConfig(PretrainedConfig):
         msar_version: str | None = None,
         msar_git_commit: str | None = None,
         train_git_commit: str | None = None,
-        use_cache: bool = False,
+        use_cache: bool = True,
         **kwargs: Any,
     ):
         self.msar_model = dict(msar_model or {})
@@ -38,8 +38,7 @@ class MsarConfig(PretrainedConfig):
         self.msar_version = msar_version
         self.msar_git_commit = msar_git_commit
         self.train_git_commit = train_git_commit
-        # No key/value cache yet: every generation step recomputes the whole prefix.
-        self.use_cache = False  # whatever was asked: there is no cache to use
+        self.use_cache = bool(use_cache)  # generate with a DecodeCache (modeling_msar.py)
         m = self.msar_model
         for hf_name, ours in (
             ("vocab_size", "vocab_size"),

@@ -5,7 +5,7 @@ Prints the prompt followed by its continuation. ``HF_DIR`` is a folder written b
 a ``checkpoints/`` dir or a run dir (its newest valid checkpoint, consolidated from any layout, with the
 tokenizer of its data dir). Both go through the same ``MsarForCausalLM.generate``: greedy without
 ``temperature`` (or with 0), else sampling with ``transformers``' temperature / top-k / top-p processors.
-No key/value cache yet: each new token recomputes the whole prefix.
+Cached: each new token runs one incremental forward (``DecodeCache``), not the whole prefix.
 
 Exit status 2 on bad input, one line naming it: a missing or corrupt checkpoint, a bad option, a
 prompt longer than the model's ``max_seq_len`` tokens.
@@ -75,7 +75,7 @@ def generate(
     kwargs = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=top_p) if sample else dict(do_sample=False)
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, use_cache=False, **kwargs)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, use_cache=True, **kwargs)
     return tok.decode(out[0], skip_special_tokens=True)
 
 

@@ -7,7 +7,7 @@ Writes a folder that ``transformers`` loads with ``AutoConfig`` / ``AutoModelFor
                                  auto_map, msar_version / msar_git_commit (the exporter), train_git_commit
     model.safetensors            the consolidated weights (train/consolidate.py: any training layout), or
     model-0000k-of-0000n.safetensors + model.safetensors.index.json when larger than shard_size
-    generation_config.json       bos / eos / pad of the tokenizer, use_cache=false
+    generation_config.json       bos / eos / pad of the tokenizer, use_cache=true (DecodeCache)
     tokenizer.json, tokenizer_config.json, special_tokens_map.json   PreTrainedTokenizerFast (eos set)
     configuration_msar.py, modeling_msar.py                          the remote code (this package's files)
 
@@ -253,7 +253,7 @@ def export(
         config.save_pretrained(tmp)
         write_safetensors(_hf_state(state, torch_dtype), tmp, limit)
         GenerationConfig(
-            bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, use_cache=False
+            bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, use_cache=True
         ).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         # transformers 5 names its fast tokenizer class TokenizersBackend; 4.x knows only this name, 5 both

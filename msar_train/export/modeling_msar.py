@@ -12,10 +12,14 @@ expansions are one parameter reached from several sites; the folder stores every
 ``tie_weights`` makes them one parameter again after loading (and moves weights read at unaligned
 file offsets into fresh storage: in fp32 on the CPU the logits are then bitwise the training model's).
 
-Generation: no key/value cache yet (``use_cache`` is always off); every step recomputes the whole
-prefix, which is exact and fine for short prompts. Logits processors, sampling and stopping are
-``transformers``' own (``model.generate``). Batches must not be padded (an ``attention_mask`` with zeros
-is refused): the training model has no padding mask.
+Generation (``model.generate``) is cached: the first forward of a sequence creates a
+``msar_train.model.cache.DecodeCache`` (attention keys/values; for MSAR the last ``max(kernel_sizes) -
+1`` positions of every source its convolutions read), returns it as ``outputs.cache``, and every later
+forward reads only the new token through ``Transformer.decode``. ``use_cache=False`` recomputes the
+whole prefix instead (same logits within fp32 rounding). Batches may be left-padded: ``attention_mask``
+zeros make the padding a document of its own (no attention and no convolution reads it from a real
+token) and positions count real tokens only. Logits processors, sampling, beam search and stopping are
+``transformers``' own.
 
 Legend: B batch, T sequence, V vocabulary.
 """
@@ -34,6 +38,7 @@ from .configuration_msar import MsarConfig
 try:
     import msar_train
     from msar_train.config.schema import ModelConfig, MoEConfig, ResidualConfig
+    from msar_train.model.cache import DecodeCache
     from msar_train.model.moe import MoE
     from msar_train.model.transformer import Transformer
 except ImportError as e:  # pragma: no cover - exercised only without the package
@@ -105,23 +110,45 @@ class MsarForCausalLM(MsarPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed.tok
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the cache is ours (DecodeCache): forward creates it on a sequence's first call
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
+        cache: DecodeCache | None = None,
+        use_cache: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``logits_BTV`` of ``input_ids``; with ``labels`` (the input ids: shifted here, -100 ignored)
-        the mean next-token cross-entropy as ``loss`` (the MoE balance loss is not part of it)."""
+        the mean next-token cross-entropy as ``loss`` (the MoE balance loss is not part of it).
+
+        ``attention_mask`` [B, cached + T] (1 = token, 0 = padding) may mark left padding. With
+        ``use_cache=True`` (``generate`` passes ``generation_config.use_cache``) or a ``cache``,
+        ``input_ids`` are the tokens after those the cache holds and the returned ``cache`` holds them
+        too. A plain call (no cache, no padding) is the training model's own forward, bitwise."""
         if input_ids is None:
             raise ValueError("MsarForCausalLM needs input_ids (inputs_embeds are not supported)")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("MsarForCausalLM does not support padded batches (attention_mask has zeros)")
         ids_BT = input_ids
-        if self.config.document_mask:  # one document per row
-            B, T = ids_BT.shape
+        B, T = ids_BT.shape
+        use_cache = bool(use_cache)
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if cache is not None or use_cache or padded:
+            past = 0 if cache is None else cache.get_seq_length()
+            if attention_mask is None:
+                attention_mask = torch.ones(B, past + T, dtype=torch.long, device=ids_BT.device)
+            if attention_mask.shape != (B, past + T):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, past + T)} (cached + new tokens)")
+            mask_BS = attention_mask.long()
+            positions_BT = (mask_BS.cumsum(1) - 1).clamp_min(0)[:, -T:]
+            step_cache = DecodeCache() if cache is None else cache
+            logits_BTV, _ = self.model.decode(ids_BT, step_cache, mask_BS[:, -T:], positions_BT)
+            cache = step_cache if (use_cache or cache is not None) else None
+        elif self.config.document_mask:  # one document per row
             positions_BT = torch.arange(T, device=ids_BT.device).expand(B, T)
             logits_BTV, _ = self.model(ids_BT, torch.zeros_like(ids_BT), positions_BT)
         else:
@@ -130,8 +157,4 @@ class MsarForCausalLM(MsarPreTrainedModel, GenerationMixin):
         if labels is not None:
             shift_BTV = logits_BTV[:, :-1].float()
             loss = F.cross_entropy(shift_BTV.reshape(-1, shift_BTV.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits_BTV)
-
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs) -> dict:
-        # No cache: the whole sequence so far, every step.
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        return CausalLMOutputWithPast(loss=loss, logits=logits_BTV, cache=cache)

@@ -43,10 +43,29 @@ class Attention(nn.Module):
             pos = torch.arange(T, device=x_BTD.device).expand(B, T)
         q, k = rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta)
         gqa = self.n_kv_heads != self.n_heads
-        if ctx.doc_ids_BT is None:
+        if ctx.cache is not None:
+            o = self._attend_cached(q, k, v, ctx)
+        elif ctx.doc_ids_BT is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             causal_TT = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()
             same_BTT = ctx.doc_ids_BT.unsqueeze(-1) == ctx.doc_ids_BT.unsqueeze(-2)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=(causal_TT & same_BTT).unsqueeze(1), enable_gqa=gqa)
         return self.wo(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        """Incremental decoding: the new queries attend over the cached keys/values and their own;
+        query ``t`` (absolute ``seen + t``) sees keys ``<= seen + t`` of its own document."""
+        cache = ctx.cache
+        T, past = q.shape[2], cache.seen
+        old_k, old_v = cache.tensors.get((self, "k")), cache.tensors.get((self, "v"))
+        if old_k is not None:
+            k, v = torch.cat([old_k, k], 2), torch.cat([old_v, v], 2)
+        cache.tensors[(self, "k")], cache.tensors[(self, "v")] = k, v
+        S = k.shape[2]
+        mask = torch.arange(S, device=q.device) <= past + torch.arange(T, device=q.device).unsqueeze(-1)  # T,S
+        if ctx.doc_ids_BT is not None:
+            doc_S = ctx.doc_ids_BT if cache.doc_ids_BT is None else torch.cat([cache.doc_ids_BT, ctx.doc_ids_BT], 1)
+            mask = mask & (ctx.doc_ids_BT.unsqueeze(-1) == doc_S.unsqueeze(-2))  # B,T,S
+            mask = mask.unsqueeze(1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)

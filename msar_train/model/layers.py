@@ -49,10 +49,15 @@ class EmbedLayer(nn.Module):
         else:
             ids_BT = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
             ctx = SeqContext()
+        aux, state = self.run(ids_BT, ctx)
+        return pack(aux, ctx, state, self.document_mask)
+
+    def run(self, ids_BT: torch.Tensor, ctx: SeqContext) -> tuple[torch.Tensor, State]:
+        """The layer without the carry: ``(aux, state)`` (``Transformer.decode`` folds over these)."""
         h_BTD = self.tok(ids_BT)
         # The running aux loss needs a grad_fn to cross a pipeline boundary, hence not a constant zero.
         aux = h_BTD.sum() * 0.0
-        return pack(aux, ctx, self.entry(h_BTD), self.document_mask)
+        return aux, self.entry(h_BTD)
 
 
 class Block(nn.Module):
@@ -73,6 +78,10 @@ class Block(nn.Module):
 
     def forward(self, carry: Carry) -> Carry:
         aux, ctx, state = unpack(carry, self.document_mask)
+        aux, state = self.run(aux, ctx, state)
+        return pack(aux, ctx, state, self.document_mask)
+
+    def run(self, aux: torch.Tensor, ctx: SeqContext, state: State) -> tuple[torch.Tensor, State]:
         state = self.attn_site(state, lambda h: self.attn(self.attn_norm(h), ctx), ctx)
         moe_aux: list[torch.Tensor] = []
 
@@ -86,7 +95,7 @@ class Block(nn.Module):
         state = self.ffn_site(state, ffn_branch, ctx)
         for a in moe_aux:
             aux = aux + a.to(aux.dtype)
-        return pack(aux, ctx, state, self.document_mask)
+        return aux, state
 
 
 class HeadLayer(nn.Module):
@@ -102,7 +111,9 @@ class HeadLayer(nn.Module):
         self.out = None if tied is not None else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, carry: Carry) -> tuple[torch.Tensor, torch.Tensor]:
-        aux, ctx, state = unpack(carry, self.document_mask)
+        return self.run(*unpack(carry, self.document_mask))
+
+    def run(self, aux: torch.Tensor, ctx: SeqContext, state: State) -> tuple[torch.Tensor, torch.Tensor]:
         h_BTD = self.norm(self.exit(state, ctx))
         weight_VD = self._tied[0].weight if self._tied else self.out.weight
         return h_BTD @ weight_VD.t(), aux

@@ -6,11 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from msar_train.model.cache import DecodeCache
 from msar_train.model.init import init_layer_
 from msar_train.model.layers import Block, EmbedLayer, HeadLayer
 from msar_train.model.moe import MoE
 from msar_train.model.recompute import checkpoint
 from msar_train.residual import build_backend
+from msar_train.residual.base import SeqContext
 
 
 def layer_specs(model_cfg, backend, document_mask: bool = False) -> list[tuple[type, tuple]]:
@@ -67,6 +69,38 @@ class Transformer(nn.Module):
             else:
                 x = layer(x)
         return x
+
+    def decode(
+        self,
+        ids_BT: torch.Tensor,
+        cache: DecodeCache,
+        doc_ids_BT: torch.Tensor | None = None,
+        positions_BT: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits_BTV, aux)`` of the next ``T`` tokens of every row, continuing ``cache`` (an empty
+        ``DecodeCache`` starts a sequence: the prefill) and extending it by them. The logits equal those
+        of one ``forward`` over the whole sequence so far at the same positions (tests/unit/test_decode.py).
+
+        ``doc_ids_BT`` / ``positions_BT`` cover the new tokens only; unlike ``forward`` they may be given
+        to a model built without ``document_mask`` (left padding: the padding is its own document).
+        Positions default to continuing the cache (``seen .. seen + T - 1``)."""
+        B, T = ids_BT.shape
+        cache.check_step(B, doc_ids_BT)
+        if positions_BT is None:
+            positions_BT = (cache.seen + torch.arange(T, device=ids_BT.device)).expand(B, T)
+        ctx = SeqContext(doc_ids_BT, positions_BT, cache)
+        saved = dict(cache.tensors)  # a forward that fails leaves the cache as it was
+        try:
+            aux, state = self.embed.run(ids_BT, ctx)
+            for block in self.blocks:
+                aux, state = block.run(aux, ctx, state)
+            out = self.head.run(aux, ctx, state)
+        except BaseException:
+            cache.tensors = saved
+            cache.scratch.clear()
+            raise
+        cache.advance(doc_ids_BT, T)
+        return out
 
 
 def lm_loss(outputs: tuple[torch.Tensor, torch.Tensor], labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

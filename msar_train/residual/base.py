@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -27,11 +27,16 @@ class SeqContext:
     """Per-batch sequence facts every branch and residual site may need.
 
     doc_ids_BT: document id of each token (None = one document per row: plain causal masking).
-    positions_BT: RoPE positions (None = 0..T-1); reset per document under document masking.
+    positions_BT: RoPE positions (None = 0..T-1, or continuing the cache); reset per document under
+    document masking.
+    cache: incremental decoding (``model/cache.py:DecodeCache``): the tensors cover only the new
+    tokens, and modules that read earlier tokens (attention, MSAR's convolutions) take them from the
+    cache and file the new ones there. None in training and in a full forward.
     """
 
     doc_ids_BT: torch.Tensor | None = None
     positions_BT: torch.Tensor | None = None
+    cache: Any = None
 
 
 class Diagnosable:

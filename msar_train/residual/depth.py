@@ -128,6 +128,11 @@ class DepthBackend(ResidualBackend):
             self._banks[j] = SourceExpansion(self.d_model, self.num_streams, self.kernel_sizes, self.conv, smoothing)
         return self._banks[j]
 
+    @property
+    def conv_reach(self) -> int:
+        """How many earlier positions of a source its expansion reads (max(kernel_sizes) - 1; 0 without convs)."""
+        return max(self.kernel_sizes) - 1 if self.conv and self.kernel_sizes else 0
+
     def is_cut_point(self, after_layer: int) -> bool:
         return not self.layout.state_after(2 * after_layer)[1]
 
@@ -229,6 +234,56 @@ def _expander(bank: SourceExpansion, ctx: SeqContext, eps: float):
     return lambda s_BTD: expanded(bank, s_BTD, ctx.doc_ids_BT, eps)
 
 
+# Incremental decoding (SeqContext.cache; model/cache.py). The only thing a depth target reads from
+# other positions is its sources' causal convolutions, which reach back ``width = max(kernel_sizes) - 1``
+# positions. So each source keeps its last ``width`` positions in the cache, and a decoding forward
+# runs every target, with whatever kernel the model uses, on the window ``cat(history, new)`` of its
+# sources, keeping the outputs of the new positions: exact, since a window holds every position the
+# new positions' convolutions read (a shorter history is the sequence's start, where the convolution
+# pads with zeros anyway). Cost per new token: the depth math over ``width + 1`` positions, whatever
+# the sequence's length.
+
+
+def decode_window(cache, key, s_BTD: torch.Tensor, width: int) -> torch.Tensor:
+    """``cat(history, s_BTD)`` of source ``key``; built once per forward (memo on the tensor, which every
+    target reading the source shares), filing the window's last ``width`` positions as the new history."""
+    w = s_BTD.__dict__.get("_msar_window")
+    if w is None:
+        hist = cache.tensors.get(("msar_source", key))
+        w = s_BTD if hist is None else torch.cat([hist, s_BTD], 1)
+        cache.tensors[("msar_source", key)] = w[:, -width:]
+        s_BTD.__dict__["_msar_window"] = w
+    return w
+
+
+def _window_ctx(ctx: SeqContext, hist_len: int) -> SeqContext:
+    """The context of a decoding window with ``hist_len`` earlier positions (one object per forward,
+    so the expansion memos of the window's sources hit)."""
+    scratch = ctx.cache.scratch
+    wctx = scratch.get(("msar_window", hist_len))
+    if wctx is None:
+        doc = ctx.doc_ids_BT
+        if doc is not None and hist_len:
+            doc = torch.cat([ctx.cache.doc_ids_BT[:, -hist_len:], doc], 1)
+        wctx = scratch[("msar_window", hist_len)] = SeqContext(doc)
+    return wctx
+
+
+def _read_sources(banks, completed, partial, partial_key, ctx: SeqContext, width: int, eps: float):
+    """``(srcs, psrc, target ctx, n_new)``: the (tensor, expand) pairs a target reads; while decoding
+    with convolutions, over the sources' windows (keep the last ``n_new`` outputs), else n_new = None."""
+    n_new = None
+    if ctx.cache is not None and width:
+        n_new = completed[0].shape[1]
+        completed = [decode_window(ctx.cache, ("b", j), s, width) for j, s in enumerate(completed)]
+        if partial is not None:
+            partial = decode_window(ctx.cache, partial_key, partial, width)
+        ctx = _window_ctx(ctx, completed[0].shape[1] - n_new)
+    srcs = [(s, _expander(banks[j], ctx, eps)) for j, s in enumerate(completed)]
+    psrc = None if partial is None else (partial, _expander(banks[len(completed)], ctx, eps))
+    return srcs, psrc, ctx, n_new
+
+
 @torch.no_grad()
 def depth_diagnostics(target: DepthTarget, sources) -> dict[str, torch.Tensor]:
     """What one target's forward looks like (recording only; recomputed with the one-softmax
@@ -267,15 +322,16 @@ class DepthSite(ResidualSite):
         self.target = backend._target(single_source=self.block == 1 and not self.has_partial)
         # Sources b_0..b_{n-1} plus the partial of block n (which uses source n's expansion).
         self.banks = nn.ModuleList([backend.bank(j) for j in range(self.block + 1)])
+        self.width = backend.conv_reach
 
     def forward(self, state: State, branch: Branch, ctx: SeqContext) -> State:
         completed = state[: self.block]
         partial = state[self.block] if self.has_partial else None
         assert len(state) == self.block + int(self.has_partial), "state arity does not match the block layout"
-        eps = self.target.eps
-        srcs = [(s, _expander(self.banks[j], ctx, eps)) for j, s in enumerate(completed)]
-        psrc = None if partial is None else (partial, _expander(self.banks[self.block], ctx, eps))
-        h_BTD = self.target(srcs, psrc, ctx)
+        srcs, psrc, tctx, n_new = _read_sources(self.banks, completed, partial, ("p", self.branch), ctx, self.width, self.target.eps)
+        h_BTD = self.target(srcs, psrc, tctx)
+        if n_new is not None:
+            h_BTD = h_BTD[:, -n_new:]
         if self.recording:
             self.record(depth_diagnostics(self.target, srcs if psrc is None else [*srcs, psrc]))
         v_BTD = branch(h_BTD)
@@ -292,14 +348,15 @@ class DepthExit(Diagnosable, nn.Module):
         self.n_sources = backend.layout.n_blocks + 1
         self.target = backend._target()
         self.banks = nn.ModuleList([backend.bank(j) for j in range(self.n_sources)])
+        self.width = backend.conv_reach
 
     def forward(self, state: State, ctx: SeqContext) -> torch.Tensor:
         assert len(state) == self.n_sources
-        eps = self.target.eps
-        srcs = [(s, _expander(self.banks[j], ctx, eps)) for j, s in enumerate(state)]
+        srcs, _, tctx, n_new = _read_sources(self.banks, state, None, None, ctx, self.width, self.target.eps)
         if self.recording:
             self.record(depth_diagnostics(self.target, srcs))
-        return self.target(srcs, None, ctx)
+        h_BTD = self.target(srcs, None, tctx)
+        return h_BTD if n_new is None else h_BTD[:, -n_new:]
 
 
 __all__ = ["DepthBackend", "DepthExit", "DepthSite", "DepthTarget", "SourceExpansion"]
