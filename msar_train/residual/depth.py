@@ -100,6 +100,10 @@ class DepthTarget(nn.Module):
         kernel = self.__dict__.get("_kernel")
         if kernel is not None:
             return kernel.forward(self, [s for s, _ in completed], None if partial is None else partial[0], ctx.doc_ids_BT)
+        return self.reference(completed, partial)
+
+    def reference(self, completed, partial) -> torch.Tensor:
+        """The plain two-phase path over (tensor, expand) sources, whatever the model's kernel."""
         if self.single_source:
             ((s_BTD, expand),) = completed
             return self.fuse(expand(s_BTD)[0])
@@ -236,12 +240,12 @@ def _expander(bank: SourceExpansion, ctx: SeqContext, eps: float):
 
 # Incremental decoding (SeqContext.cache; model/cache.py). The only thing a depth target reads from
 # other positions is its sources' causal convolutions, which reach back ``width = max(kernel_sizes) - 1``
-# positions. So each source keeps its last ``width`` positions in the cache, and a decoding forward
-# runs every target, with whatever kernel the model uses, on the window ``cat(history, new)`` of its
-# sources, keeping the outputs of the new positions: exact, since a window holds every position the
-# new positions' convolutions read (a shorter history is the sequence's start, where the convolution
-# pads with zeros anyway). Cost per new token: the depth math over ``width + 1`` positions, whatever
-# the sequence's length.
+# positions. So each source keeps its last ``width`` positions in the cache; a decoding forward
+# computes the convolutions at the new positions only, from the window ``cat(history, new)`` (exact: a
+# window holds every position they read; a shorter history is the sequence start, where the
+# convolution pads with zeros anyway), then runs the two-phase reference math on the new positions.
+# Cost per new token: K taps per stream and source plus the per-token depth softmax, whatever the
+# sequence's length, and whatever ``residual.kernel`` (the kernels are for [B, T, D] training shapes).
 
 
 def decode_window(cache, key, s_BTD: torch.Tensor, width: int) -> torch.Tensor:
@@ -256,32 +260,59 @@ def decode_window(cache, key, s_BTD: torch.Tensor, width: int) -> torch.Tensor:
     return w
 
 
-def _window_ctx(ctx: SeqContext, hist_len: int) -> SeqContext:
-    """The context of a decoding window with ``hist_len`` earlier positions (one object per forward,
-    so the expansion memos of the window's sources hit)."""
-    scratch = ctx.cache.scratch
-    wctx = scratch.get(("msar_window", hist_len))
-    if wctx is None:
-        doc = ctx.doc_ids_BT
-        if doc is not None and hist_len:
-            doc = torch.cat([ctx.cache.doc_ids_BT[:, -hist_len:], doc], 1)
-        wctx = scratch[("msar_window", hist_len)] = SeqContext(doc)
-    return wctx
+def _window_doc(ctx: SeqContext, hist_len: int) -> torch.Tensor | None:
+    """Document ids of a decoding window with ``hist_len`` earlier positions (None without doc ids)."""
+    doc = ctx.doc_ids_BT
+    if doc is None or not hist_len:
+        return doc
+    key = ("msar_window_doc", hist_len)
+    if key not in ctx.cache.scratch:
+        ctx.cache.scratch[key] = torch.cat([ctx.cache.doc_ids_BT[:, -hist_len:], doc], 1)
+    return ctx.cache.scratch[key]
+
+
+def decode_streams(bank: SourceExpansion, win_BWD: torch.Tensor, doc_BW: torch.Tensor | None, n_new: int) -> list[torch.Tensor]:
+    """The M streams of a source at the last ``n_new`` positions of its window: each conv as one
+    gather of the K_max positions each new token reads (zeroed before the start and across documents)
+    and a K-tap weighted sum."""
+    new_BTD = win_BWD[:, -n_new:]
+    if not bank.conv:
+        return [new_BTD] * bank.num_streams
+    W, dev = win_BWD.shape[1], win_BWD.device
+    K = max(w.shape[0] for w in bank.weights)
+    t_T = torch.arange(W - n_new, W, device=dev)
+    idx_TK = t_T.unsqueeze(1) - torch.arange(K, device=dev)  # position read by tap delta
+    valid = (idx_TK >= 0).unsqueeze(0)  # 1,T,K
+    idx_TK = idx_TK.clamp_min(0)
+    if doc_BW is not None:
+        valid = valid & (doc_BW[:, idx_TK] == doc_BW[:, t_T].unsqueeze(-1))  # B,T,K
+    g_BTKD = win_BWD[:, idx_TK] * valid.unsqueeze(-1).to(win_BWD.dtype)
+    return [new_BTD] + [(g_BTKD[:, :, : w.shape[0]] * w.to(win_BWD.dtype)).sum(2) for w in bank.weights]
+
+
+def _decode_expander(bank: SourceExpansion, ctx: SeqContext, key, width: int, eps: float):
+    def expand(s_BTD: torch.Tensor):
+        hit = s_BTD.__dict__.get("_msar_decoded")
+        if hit is None:
+            win = decode_window(ctx.cache, key, s_BTD, width)
+            n = s_BTD.shape[1]
+            streams = decode_streams(bank, win, _window_doc(ctx, win.shape[1] - n), n)
+            hit = s_BTD.__dict__["_msar_decoded"] = da.expand_keys(streams, eps)
+        return hit
+
+    return expand
 
 
 def _read_sources(banks, completed, partial, partial_key, ctx: SeqContext, width: int, eps: float):
-    """``(srcs, psrc, target ctx, n_new)``: the (tensor, expand) pairs a target reads; while decoding
-    with convolutions, over the sources' windows (keep the last ``n_new`` outputs), else n_new = None."""
-    n_new = None
+    """``(srcs, psrc, decoding)``: the (tensor, expand) pairs a target reads. ``decoding``: the expansions
+    are those of the new positions from the cache's history (run the reference math on them)."""
     if ctx.cache is not None and width:
-        n_new = completed[0].shape[1]
-        completed = [decode_window(ctx.cache, ("b", j), s, width) for j, s in enumerate(completed)]
-        if partial is not None:
-            partial = decode_window(ctx.cache, partial_key, partial, width)
-        ctx = _window_ctx(ctx, completed[0].shape[1] - n_new)
+        srcs = [(s, _decode_expander(banks[j], ctx, ("b", j), width, eps)) for j, s in enumerate(completed)]
+        psrc = None if partial is None else (partial, _decode_expander(banks[len(completed)], ctx, partial_key, width, eps))
+        return srcs, psrc, True
     srcs = [(s, _expander(banks[j], ctx, eps)) for j, s in enumerate(completed)]
     psrc = None if partial is None else (partial, _expander(banks[len(completed)], ctx, eps))
-    return srcs, psrc, ctx, n_new
+    return srcs, psrc, False
 
 
 @torch.no_grad()
@@ -328,10 +359,8 @@ class DepthSite(ResidualSite):
         completed = state[: self.block]
         partial = state[self.block] if self.has_partial else None
         assert len(state) == self.block + int(self.has_partial), "state arity does not match the block layout"
-        srcs, psrc, tctx, n_new = _read_sources(self.banks, completed, partial, ("p", self.branch), ctx, self.width, self.target.eps)
-        h_BTD = self.target(srcs, psrc, tctx)
-        if n_new is not None:
-            h_BTD = h_BTD[:, -n_new:]
+        srcs, psrc, decoding = _read_sources(self.banks, completed, partial, ("p", self.branch), ctx, self.width, self.target.eps)
+        h_BTD = self.target.reference(srcs, psrc) if decoding else self.target(srcs, psrc, ctx)
         if self.recording:
             self.record(depth_diagnostics(self.target, srcs if psrc is None else [*srcs, psrc]))
         v_BTD = branch(h_BTD)
@@ -352,11 +381,10 @@ class DepthExit(Diagnosable, nn.Module):
 
     def forward(self, state: State, ctx: SeqContext) -> torch.Tensor:
         assert len(state) == self.n_sources
-        srcs, _, tctx, n_new = _read_sources(self.banks, state, None, None, ctx, self.width, self.target.eps)
+        srcs, _, decoding = _read_sources(self.banks, state, None, None, ctx, self.width, self.target.eps)
         if self.recording:
             self.record(depth_diagnostics(self.target, srcs))
-        h_BTD = self.target(srcs, None, tctx)
-        return h_BTD if n_new is None else h_BTD[:, -n_new:]
+        return self.target.reference(srcs, None) if decoding else self.target(srcs, None, ctx)
 
 
 __all__ = ["DepthBackend", "DepthExit", "DepthSite", "DepthTarget", "SourceExpansion"]
