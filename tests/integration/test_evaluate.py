@@ -60,6 +60,7 @@ def test_equals_the_trainers_val_loss_for_the_same_batches(run_dir, capsys):
     assert 1.5 < out["bytes"] / out["tokens"] < 8
 
 
+@pytest.mark.slow  # ~70 s: the whole validation split of the built-in corpus
 def test_whole_split_by_default(run_dir, capsys):
     rc, out, err = _eval(capsys, str(run_dir))
     assert rc == 0, err

@@ -17,7 +17,10 @@ def run(tmp_path, name, *extra):
     return read_metrics(rd / "metrics.jsonl")
 
 
-@pytest.mark.parametrize("residual", RESIDUAL_PRESETS)
+MAIN = ("vanilla", "mhc", "attnres", "msar")  # the ablation presets: slow (the default suite's time ceiling)
+
+
+@pytest.mark.parametrize("residual", [p if p in MAIN else pytest.param(p, marks=pytest.mark.slow) for p in RESIDUAL_PRESETS])
 def test_50_steps_lower_the_loss(tmp_path, residual):
     rows = run(tmp_path, residual, f"residual={residual}", "trainer.max_steps=50", "trainer.eval_every=50", "trainer.warmup_steps=5")
     losses = [r["train/loss"] for r in rows]
