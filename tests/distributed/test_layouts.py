@@ -47,6 +47,27 @@ def test_consolidated_model_gives_the_layouts_logits(layout_runs, layout):
         assert diff <= 1e-5 * scale, f"{layout} {f.name}: consolidated logits differ by {diff}"
 
 
+def test_msar_export_of_a_pp_ep_run_gives_the_layouts_logits(layout_runs, tmp_path):
+    """msar-export's first step is the consolidation: the HF folder of a PP2 x EP2 run (experts in
+    per-rank files, layers in per-stage files) computes the logits the layout computed."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from msar_train.export import hf
+
+    run_dir = layout_runs("pp2_ep2")
+    out = hf.export(run_dir, tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    for f in logits_files(run_dir):
+        got = torch.load(f, weights_only=False)
+        with torch.no_grad():
+            logits = m(got["ids"]).logits
+        assert float((logits - got["logits"]).abs().max()) <= 1e-5 * float(got["logits"].abs().max()), f.name
+
+
 def test_consolidation_is_the_same_model_under_every_layout(layout_runs):
     """The layouts trained the same model on the same samples: their consolidated weights agree to fp32
     rounding (a misplaced expert or layer would differ by O(weights))."""
