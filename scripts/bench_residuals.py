@@ -43,8 +43,14 @@ from msar_train.model.transformer import Transformer, lm_loss  # noqa: E402
 HF = "hf_deepseek_v3"
 
 
+# Bench-only presets: (base model preset, fields changed). ``deep``: Block MSAR's 8 blocks over 48
+# branches (6 targets per block, nearer the paper's depth than ``small``'s 2 per block).
+BENCH_PRESETS = {"deep": ("small", {"n_layers": 24, "d_model": 256, "n_heads": 4, "n_kv_heads": 4})}
+
+
 def model_config(name: str) -> ModelConfig:
-    node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "configs" / "model" / f"{name}.yaml"))
+    base, changes = BENCH_PRESETS.get(name, (name, {}))
+    node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "configs" / "model" / f"{base}.yaml"), changes)
     return OmegaConf.to_object(node)
 
 
@@ -207,7 +213,7 @@ def table(rows: list[dict]) -> str:
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="small", help="model preset (configs/model/*.yaml)")
+    ap.add_argument("--config", default="small", help="model preset (configs/model/*.yaml) or a bench preset: deep")
     ap.add_argument("--backends", nargs="+", default=["vanilla", "attnres", "msar", "mhc"], help="residual presets")
     ap.add_argument("--kernel", default="torch", choices=["torch", "triton", "compile"])
     ap.add_argument("--batch", type=int, default=8)

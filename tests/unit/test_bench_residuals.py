@@ -32,3 +32,14 @@ def test_bench_runs_on_a_tiny_config(tmp_path, capsys):
     assert rows[-1]["vanilla_tokens_per_s_ratio"] > 0
     printed = capsys.readouterr().out
     assert "| backend |" in printed and "hf_deepseek_v3" in printed
+
+
+def test_deep_preset_has_six_targets_per_msar_block():
+    from msar_train.residual.layout import BlockLayout
+
+    bench = _load()
+    mc = bench.model_config("deep")
+    assert (mc.n_layers, mc.d_model) == (24, 256) and mc.d_model % mc.n_heads == 0
+    res = bench.residual_config("msar", "torch")
+    sizes = {hi - lo + 1 for lo, hi in BlockLayout(2 * mc.n_layers, res.n_blocks).bounds}
+    assert res.n_blocks == 8 and sizes == {6}
