@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@if nvidia-smi -L >/dev/null 2>&1; then echo "CUDA GPU found: torch from PyPI"; \
 	 else $(BIN)/pip install --quiet torch==2.13.0; fi
-	$(BIN)/pip install --quiet -e '.[dev,kernels,slurm]'
+	$(BIN)/pip install --quiet -e '.[dev,kernels,slurm,eval]'
 	@touch $(STAMP)
 
 venv: $(STAMP)

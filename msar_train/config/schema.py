@@ -98,6 +98,17 @@ class DataConfig:
 
 
 @dataclass
+class EvalHarnessConfig:
+    """lm-evaluation-harness tasks scored every ``trainer.eval_every`` steps (msar_train/export/harness.py;
+    ``pip install 'msar-train[eval]'``). Off while ``tasks`` is empty."""
+
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names (hub tasks need hub access)
+    include_path: str | None = None  # a dir of task YAMLs (python -m msar_train.export.harness DIR TEXT)
+    limit: int | None = None  # documents per task (null: all)
+    batch_size: int = 8
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 200
     lr: float = 3e-3
@@ -112,6 +123,7 @@ class TrainerConfig:
     grad_clip: float = 1.0  # 0 = off
     eval_every: int = 50
     eval_batches: int = 8
+    eval_harness: EvalHarnessConfig = field(default_factory=EvalHarnessConfig)
     log_every: int = 10
     seed: int = 1234
     run_dir: str | None = None  # default runs/<experiment>-<timestamp>

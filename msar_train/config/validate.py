@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -107,6 +109,23 @@ def validate_trainer(t: DictConfig) -> None:
     for s in t.debug_nan_steps:
         if not isinstance(s, int) or s < 1:
             _fail("trainer.debug_nan_steps", list(t.debug_nan_steps), "must list step numbers >= 1")
+    validate_eval_harness(t.eval_harness)
+
+
+def validate_eval_harness(h: DictConfig) -> None:
+    if not h.tasks:
+        return
+    for name in h.tasks:
+        if not isinstance(name, str) or not name.strip():
+            _fail("trainer.eval_harness.tasks", list(h.tasks), "must list lm-eval task names")
+    if h.include_path is not None and not Path(str(h.include_path)).expanduser().is_dir():
+        _fail("trainer.eval_harness.include_path", h.include_path, "is not a directory (of lm-eval task YAMLs)")
+    if h.limit is not None and h.limit < 1:
+        _fail("trainer.eval_harness.limit", h.limit, "must be null or >= 1")
+    if h.batch_size < 1:
+        _fail("trainer.eval_harness.batch_size", h.batch_size, "must be >= 1")
+    if importlib.util.find_spec("lm_eval") is None:
+        _fail("trainer.eval_harness.tasks", list(h.tasks), "needs lm-evaluation-harness: pip install 'msar-train[eval]'")
 
 
 def validate_logger(lg: DictConfig) -> None:
@@ -303,3 +322,10 @@ def validate(cfg: DictConfig) -> None:
         mixture_entries(cfg.data.mixture, None if OmegaConf.is_missing(cfg.data, "path") else cfg.data.path)
     validate_logger(cfg.logger)
     validate_memory(cfg.memory, cfg.parallel)
+    if cfg.trainer.eval_harness.tasks and (cfg.parallel.pp_stages > 1 or cfg.parallel.ep_size > 1):
+        _fail(
+            "trainer.eval_harness.tasks",
+            list(cfg.trainer.eval_harness.tasks),
+            "runs on a whole model: needs parallel.pp_stages=1 and parallel.ep_size=1 "
+            f"(got {cfg.parallel.pp_stages}, {cfg.parallel.ep_size}); score checkpoints with msar-export + lm_eval instead",
+        )

@@ -455,6 +455,11 @@ class Trainer:
     # ----------------------------------------------------------------------------------- fit
     def fit(self) -> FitResult:
         t, lg = self.cfg.trainer, self.cfg.logger
+        self.harness = None
+        if t.eval_harness.tasks:  # validated: single stage, no expert parallelism, lm-eval installed
+            from msar_train.export.harness import HarnessRunner
+
+            self.harness = HarnessRunner(self.cfg, self.engine.engine.module)
         owner = self.engine.owns_loss
         train_loss, val_loss = None, None
         window: list[float] = []
@@ -480,6 +485,9 @@ class Trainer:
                         if v is not None:
                             val_loss = m["val/loss"] = v
                             log_now = True  # an evaluation is always logged, whatever log_every says
+                        if self.harness is not None:  # trainer.eval_harness: every rank alike, no collective
+                            m.update(self.harness())
+                            log_now = True
                     heatmaps = {}
                     want_heat = lg.heatmap_every > 0 and (step % lg.heatmap_every == 0 or last)
                     if want_heat or (lg.residual_every > 0 and (step % lg.residual_every == 0 or last)):
