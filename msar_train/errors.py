@@ -46,3 +46,24 @@ class ReportedElsewhere(RuntimeError):
 def debug() -> bool:
     """``MSAR_DEBUG`` set to anything but empty or 0: show tracebacks of input errors too."""
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def run_cli(prog: str, doc: str | None, argv: list[str] | None, body) -> int:
+    """The frame of the ``key=value`` console scripts: ``--help`` prints ``doc`` (exit 0; no arguments
+    at all: the same text, exit 2); else ``body(args)`` returns the text to print (exit 0), and an
+    ``InputError`` becomes one line ``<prog>: error: ...`` with exit 2 (re-raised under ``MSAR_DEBUG``)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(doc)
+        return 0 if args else EXIT_BAD_INPUT
+    try:
+        text = body(args)
+    except InputError as e:
+        if debug():
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(text)
+    return 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from msar_train.errors import EXIT_BAD_INPUT, InputError, debug
+from msar_train.errors import InputError, run_cli
 from msar_train.export.hf import load_checkpoint_for_hf, parse_options
 
 OPTIONS = {"prompt": None, "max_new_tokens": "32", "temperature": "0", "top_k": "0", "top_p": "1.0", "seed": "0", "tokenizer": None}
@@ -79,31 +79,23 @@ def generate(
     return tok.decode(out[0], skip_special_tokens=True)
 
 
+def _main(args: list[str]) -> str:
+    src, *rest = args
+    opts = parse_options(rest, OPTIONS, "msar-generate")
+    if opts["prompt"] is None:
+        raise InputError('prompt="...": required')
+    n, temperature = _number(opts, "max_new_tokens", int), _number(opts, "temperature", float)
+    top_k, top_p, seed = _number(opts, "top_k", int), _number(opts, "top_p", float), _number(opts, "seed", int)
+    if n < 1:
+        raise InputError(f"max_new_tokens={n}: must be >= 1")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise InputError(f"temperature={temperature} top_k={top_k} top_p={top_p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+    model, tok = load(src, opts["tokenizer"])
+    return generate(model, tok, opts["prompt"], n, temperature, top_k, top_p, seed)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if args else EXIT_BAD_INPUT
-    try:
-        src, *rest = args
-        opts = parse_options(rest, OPTIONS, "msar-generate")
-        if opts["prompt"] is None:
-            raise InputError('prompt="...": required')
-        n, temperature = _number(opts, "max_new_tokens", int), _number(opts, "temperature", float)
-        top_k, top_p, seed = _number(opts, "top_k", int), _number(opts, "top_p", float), _number(opts, "seed", int)
-        if n < 1:
-            raise InputError(f"max_new_tokens={n}: must be >= 1")
-        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-            raise InputError(f"temperature={temperature} top_k={top_k} top_p={top_p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
-        model, tok = load(src, opts["tokenizer"])
-        text = generate(model, tok, opts["prompt"], n, temperature, top_k, top_p, seed)
-    except InputError as e:
-        if debug():
-            raise
-        print(f"msar-generate: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(text)
-    return 0
+    return run_cli("msar-generate", __doc__, argv, _main)
 
 
 __all__ = ["generate", "is_hf_dir", "load", "main"]

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from msar_train.errors import EXIT_BAD_INPUT, InputError
+from msar_train.errors import InputError, run_cli
 
 MIN_WORDS = 6  # a line needs a start and an ending of at least 3 words each
 
@@ -158,38 +158,33 @@ class HarnessRunner:
 
 
 # ---------------------------------------------------------------------------------------- CLI
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if args else EXIT_BAD_INPUT
-    try:
-        from msar_train.export.hf import parse_options
+def _main(args: list[str]) -> str:
+    from msar_train.export.hf import parse_options
 
-        positional = [a for a in args if "=" not in a]
-        if len(positional) != 2:
-            raise InputError(f"expected OUT_DIR and TEXT_FILE, got {len(positional)} positional arguments")
-        opts = parse_options([a for a in args if "=" in a], {"n": "40", "prefix": "msar_local", "seed": "0"}, "msar_train.export.harness")
-        out, src = positional
-        try:
-            n, seed = int(opts["n"]), int(opts["seed"])
-        except ValueError:
-            raise InputError(f"n={opts['n']} seed={opts['seed']}: not integers") from None
-        if n < 4:
-            raise InputError(f"n={n}: must be >= 4")
-        try:
-            text = Path(src).expanduser().read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"{src}: cannot read as UTF-8 text ({e})") from None
-        names = write_local_tasks(out, text, n, opts["prefix"], seed)
-    except InputError as e:
-        print(f"msar_train.export.harness: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(
+    positional = [a for a in args if "=" not in a]
+    if len(positional) != 2:
+        raise InputError(f"expected OUT_DIR and TEXT_FILE, got {len(positional)} positional arguments")
+    opts = parse_options([a for a in args if "=" in a], {"n": "40", "prefix": "msar_local", "seed": "0"}, "msar_train.export.harness")
+    out, src = positional
+    try:
+        n, seed = int(opts["n"]), int(opts["seed"])
+    except ValueError:
+        raise InputError(f"n={opts['n']} seed={opts['seed']}: not integers") from None
+    if n < 4:
+        raise InputError(f"n={n}: must be >= 4")
+    try:
+        text = Path(src).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{src}: cannot read as UTF-8 text ({e})") from None
+    names = write_local_tasks(out, text, n, opts["prefix"], seed)
+    return (
         f"wrote {', '.join(names)} to {out}; run: lm_eval --model hf --model_args pretrained=OUT,trust_remote_code=True "
         f"--tasks {','.join(names)} --include_path {out}"
     )
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("msar_train.export.harness", __doc__, argv, _main)
 
 
 __all__ = ["HarnessRunner", "evaluate", "main", "scores", "task_manager", "write_local_tasks"]

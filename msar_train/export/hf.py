@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from msar_train.errors import EXIT_BAD_INPUT, InputError, debug
+from msar_train.errors import InputError, run_cli
 
 HERE = Path(__file__).resolve().parent
 REMOTE_CODE = ("configuration_msar.py", "modeling_msar.py")
@@ -304,32 +304,25 @@ def _bool(text: str, field: str) -> bool:
     raise InputError(f"{field}={text}: not true or false")
 
 
+def _main(args: list[str]) -> str:
+    positional = [a for a in args if "=" not in a]
+    if len(positional) != 2:
+        raise InputError(f"expected RUN_DIR|CHECKPOINT and OUT_DIR, got {len(positional)} positional arguments")
+    opts = parse_options([a for a in args if "=" in a], OPTIONS, "msar-export")
+    out = export(
+        positional[0],
+        positional[1],
+        dtype=opts["dtype"],
+        shard_size=opts["shard_size"],
+        overwrite=_bool(opts["overwrite"], "overwrite"),
+        tokenizer=opts["tokenizer"],
+        kernel=opts["kernel"],
+    )
+    return f"exported to {out}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if args else EXIT_BAD_INPUT
-    try:
-        positional = [a for a in args if "=" not in a]
-        if len(positional) != 2:
-            raise InputError(f"expected RUN_DIR|CHECKPOINT and OUT_DIR, got {len(positional)} positional arguments")
-        opts = parse_options([a for a in args if "=" in a], OPTIONS, "msar-export")
-        out = export(
-            positional[0],
-            positional[1],
-            dtype=opts["dtype"],
-            shard_size=opts["shard_size"],
-            overwrite=_bool(opts["overwrite"], "overwrite"),
-            tokenizer=opts["tokenizer"],
-            kernel=opts["kernel"],
-        )
-    except InputError as e:
-        if debug():
-            raise
-        print(f"msar-export: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(f"exported to {out}")
-    return 0
+    return run_cli("msar-export", __doc__, argv, _main)
 
 
 if __name__ == "__main__":
