@@ -85,6 +85,7 @@ class SourceEntry:
     readers: int = 0  # forward reads of this forward (to release the streams after the last one)
     private: bool = False  # read by one target only: its conv backward runs inside that target
     s_ref: object = None  # weakref to the source (memo validation without a reference cycle)
+    read_by: set = None  # id()s of the targets that read this entry in its forward (None: none yet)
 
     def streams(self, s_BTD: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(Ec_CBTD or None, rinv_MBT) of ``s_BTD`` (this entry's source); recomputed when released."""
@@ -131,18 +132,29 @@ class _ExpandNode(torch.autograd.Function):
 
 
 def source_entry(
-    runtime: Runtime, s_BTD: torch.Tensor, weights: list[torch.Tensor], doc_ids_BT: torch.Tensor | None, eps: float, key: int
+    runtime: Runtime,
+    s_BTD: torch.Tensor,
+    weights: list[torch.Tensor],
+    doc_ids_BT: torch.Tensor | None,
+    eps: float,
+    key: int,
+    reader: int | None = None,
 ) -> SourceEntry:
     """The entry of ``s_BTD`` for expansion ``key`` in the runtime's memo, invalidated by in-place
-    changes of the source or of the conv weights."""
+    changes of the source or of the conv weights, and renewed when ``reader`` (the reading target's
+    id) has read it before: that is a new forward of the same source tensor (one carry fed to two
+    forwards), whose graph needs its own sink and gradient buffer."""
     memo = runtime.memo
     stamp = (s_BTD._version, tuple(w._version for w in weights), eps)
     mkey = (id(s_BTD), key)
     e = memo.get(mkey)
-    if e is None or e.s_ref() is not s_BTD or e.doc_ids_BT is not doc_ids_BT or e.stamp != stamp:
+    again = e is not None and reader is not None and e.read_by is not None and reader in e.read_by
+    if again or e is None or e.s_ref() is not s_BTD or e.doc_ids_BT is not doc_ids_BT or e.stamp != stamp:
         e = SourceEntry(list(weights), doc_ids_BT, eps, stamp)
         e.s_ref = weakref.ref(s_BTD)
         memo[mkey] = e
+    if reader is not None:
+        e.read_by = {reader} if e.read_by is None else e.read_by | {reader}
     need_grad = torch.is_grad_enabled() and (s_BTD.requires_grad or any(w.requires_grad for w in weights))
     if need_grad and e.tok is None and weights:
         e.tok = _ExpandNode.apply(e, runtime, mkey, s_BTD, *weights)
@@ -300,7 +312,7 @@ def target_forward(target, sources: list[tuple[torch.Tensor, object]], partial, 
         if shared and j < len(sources):
             if j == 0 and runtime.memo.get((id(s), id(banks[0]))) is None:
                 runtime.new_forward()
-            e = source_entry(runtime, s, ws, doc_ids_BT, eps, id(banks[j]))
+            e = source_entry(runtime, s, ws, doc_ids_BT, eps, id(banks[j]), reader=id(target))
         else:  # the partial (read once) or unshared: no memo, no sink
             e = SourceEntry(ws, doc_ids_BT, eps, (), private=bool(ws))
             extra += ws

@@ -215,3 +215,45 @@ def test_lean_pipeline_stage_backward_per_output(res):
     assert set(lean_g) == set(ref_g)
     for name, g in ref_g.items():
         torch.testing.assert_close(lean_g[name], g, rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("res", [dict(name="msar", n_blocks=2), dict(name="msar", n_blocks=None), dict(name="attnres", n_blocks=2)])
+def test_lean_two_forwards_of_one_carry_backward_separately(res):
+    """One detached carry fed to two forwards (an evaluation, a custom pipeline), then each backward on
+    its own: each forward's graph has its own conv-stream sink (the memo used to share it by the
+    source's identity: "Trying to backward through the graph a second time"). Gradients of each
+    backward equal the reference path's."""
+    m = build(ResidualConfig(**res), n_layers=4, dtype=torch.float64)
+    perturb_residual(m, scale=0.3)
+    layers, cut = m.layers(), 2
+    x = ids(batch=2, seq=7)
+
+    def grads_with_backward(retain: bool):
+        h = x
+        for layer in layers[:cut]:
+            h = layer(h)
+        carry = tuple(t.detach().requires_grad_() for t in h)
+        outs = []
+        for _ in range(2):
+            o = carry
+            for layer in layers[cut:]:
+                o = layer(o)
+            outs.append(lm_loss(o, x)[0])
+        result = []
+        for k in (1, 0):
+            m.zero_grad(set_to_none=True)
+            for t in carry:
+                t.grad = None
+            outs[k].backward(retain_graph=retain)
+            result.append(([t.grad.clone() for t in carry], {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+        return result
+
+    lean = grads_with_backward(retain=False)
+    _reference_mode(m)
+    ref = grads_with_backward(retain=True)  # the reference memoises expansions with their graph
+    for (lc, lp), (rc, rp) in zip(lean, ref):
+        for a, b in zip(lc, rc):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+        assert set(lp) == set(rp)
+        for name, g in rp.items():
+            torch.testing.assert_close(lp[name], g, rtol=1e-9, atol=1e-12, msg=name)
