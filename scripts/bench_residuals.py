@@ -147,12 +147,18 @@ def run(a) -> list[dict]:
         names.insert(0, "vanilla")
     models, steps, rows = {}, {}, {}
     for name in names:
-        res = residual_config(name, a.kernel)
+        base, _, variant = name.partition("@")  # msar@per_target: one phase 1 per target (no block batching)
+        if variant not in ("", "per_target"):
+            raise SystemExit(f"bench_residuals: backend {name!r}: the only variant is @per_target")
+        res = residual_config(base, a.kernel)
         if res.n_blocks is not None and res.n_blocks > 2 * mc.n_layers:  # shrunk test models
             res.n_blocks = 2 * mc.n_layers
         m = Transformer(mc, res, seed=0).to(device=device, dtype=dtype)
+        if variant:
+            m.backend.kernel.batched = False
         models[name], steps[name] = m, make_step(m, ids, False)
-        rows[name] = {"backend": name, "kernel": a.kernel if name in ("attnres", "msar") or name.startswith(("attnres", "msar")) else "-"}
+        kernel = a.kernel if base.startswith(("attnres", "msar")) else "-"
+        rows[name] = {"backend": name, "kernel": kernel + (" (per target)" if variant else "")}
         rows[name]["params"] = n_params(m)
         rows[name]["flops"] = tokens * training_flops_per_token(mc, res, a.seq)
     if a.hf:

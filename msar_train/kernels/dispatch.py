@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from msar_train.kernels import lean
+from msar_train.kernels import lean, lean_block
 
 KERNELS = ("torch", "triton", "compile")
 
@@ -30,6 +30,8 @@ class DepthKernel:
         self.num_streams = num_streams
         self.bank = bank
         self.runtime = lean.Runtime()
+        # Block-batched phase 1 on the torch path (kernels/lean_block.py); False: one phase 1 per target.
+        self.batched = True
         if name == "compile":
             lean.use_compiled(True)
         if name == "triton":
@@ -42,4 +44,12 @@ class DepthKernel:
         banks = [self.bank(j) for j in range(n)]
         if self.name == "triton" and not target.single_source:
             return self._triton.target_forward(target, sources, partial, banks, doc_ids_BT, self.num_streams)
+        peers = target.__dict__.get("_peers")
+        if self.name == "torch" and self.batched and peers and target in peers and sources and _shared():
+            return lean_block.target_forward(target, peers, sources, partial, banks, doc_ids_BT, self.num_streams, self.runtime)
         return lean.target_forward(target, sources, partial, banks, doc_ids_BT, self.num_streams, self.runtime)
+
+
+def _shared() -> bool:
+    """False inside a saved-tensor-hooks region (activation checkpointing): targets run on their own."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None

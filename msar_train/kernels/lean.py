@@ -206,7 +206,7 @@ class TargetFn(torch.autograd.Function):
                 lse = torch.logsumexp(L, 0)
                 p = torch.exp(L - lse)
             z = _weighted(p, streams_S, M)
-            h = target.fuse(z)
+            h, ctx.fsaved = fuse_forward(target, z)
         ctx.target, ctx.entries, ctx.M, ctx.n_fusion = target, entries, M, n_fusion
         ctx.compiled = bool(getattr(target.__dict__.get("_kernel"), "name", "") == "compile")
         ctx.save_for_backward(qg_MD, lse, *fusion_params, *srcs)
@@ -228,11 +228,7 @@ class TargetFn(torch.autograd.Function):
                 L = torch.stack([_logits(st, ri, qg_MD) for st, ri in zip(streams_S, rinvs)])
                 p = torch.exp(L - lse)
             z = _weighted(p, streams_S, M)
-        with torch.enable_grad():
-            z_req = z.detach().requires_grad_()
-            h = target.fuse(z_req)
-            grads = torch.autograd.grad(h, [z_req, *fusion_params], dh_BTD, allow_unused=True)
-        dz, dfusion = grads[0], list(grads[1:])
+            dz, dfusion = fuse_backward(target, z, dh_BTD, ctx.fsaved)
         D = dz.shape[-1]
         sd = stat_dtype(dz.dtype)
         dqg = None
@@ -340,9 +336,12 @@ class Runtime:
         # sink's backward has run, or when a new forward starts (a forward whose backward never
         # runs keeps its sources alive until then; in-flight micro-batches keep theirs via autograd).
         self.memo: dict[tuple, SourceEntry] = {}
+        # (id(block's targets), ids of its completed sources) -> lean_block.BlockGroup of this forward.
+        self.groups: dict[tuple, object] = {}
 
     def new_forward(self) -> None:
         self.memo = {}
+        self.groups = {}
 
     def after_read(self, entries: list[SourceEntry]) -> None:
         for e in entries:
@@ -384,3 +383,60 @@ def use_compiled(on: bool) -> None:
     """Compile the helpers ahead of the first backward (``residual.kernel: compile``)."""
     if on:
         _compiled_stream_backward()
+
+
+# Fusion (spec: H = sigmoid(s * RMSNorm([z_1..z_M]) @ W + b), h = sum_r H_r z_r) without autograd: the
+# forward keeps three per-token statistics (H, the unscaled gate logits u @ W, the inverse RMS rs:
+# 2M + 1 values per token); the backward is a few passes over z and no recompute of the forward.
+# With u = x * rs (x = the M streams side by side), du = s * dg @ W^T and mean(du . u) needs no pass:
+# it is s * sum_m dg_m (u @ W)_m / (M D).
+
+
+def fuse_forward(target, z_MBTD: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """(h_BTD, saved) of ``target.fuse(z_MBTD)``; ``saved`` feeds :func:`fuse_backward`."""
+    M, B, T, D = z_MBTD.shape
+    if target.fusion == "mean":
+        return z_MBTD.mean(0), ()
+    N = B * T
+    z = z_MBTD.reshape(M, N, D)
+    W = target.fusion_weight.detach().to(z.dtype)
+    sq = torch.linalg.vector_norm(z, dim=-1).square_().sum(0)  # N
+    rs = torch.rsqrt(sq / (M * D) + target.eps)
+    xW = z[0] @ W[:D]
+    for r in range(1, M):
+        xW.addmm_(z[r], W[r * D : (r + 1) * D])
+    uW = xW * rs.unsqueeze(-1)
+    H = torch.sigmoid(target.fusion_scale.detach().to(z.dtype) * uW + target.fusion_bias.detach().to(z.dtype))  # N, M
+    h = torch.mul(z[0], H[:, :1])
+    for r in range(1, M):
+        h.addcmul_(z[r], H[:, r : r + 1])
+    return h.view(B, T, D), (H, uW, rs)
+
+
+def fuse_backward(target, z_MBTD: torch.Tensor, dh_BTD: torch.Tensor, saved: tuple) -> tuple[torch.Tensor, list]:
+    """(dz_MBTD, [d fusion params]) of :func:`fuse_forward` (params in the order scale, weight, bias)."""
+    M, B, T, D = z_MBTD.shape
+    if target.fusion == "mean":
+        return (dh_BTD / M).unsqueeze(0).expand(M, B, T, D).contiguous(), []
+    N = B * T
+    H, uW, rs = saved
+    z = z_MBTD.reshape(M, N, D)
+    dh = dh_BTD.reshape(N, D).to(z.dtype)
+    W = target.fusion_weight.detach().to(z.dtype)
+    s = target.fusion_scale.detach().to(z.dtype)
+    dH = torch.stack([torch.linalg.vecdot(dh, z[r]) for r in range(M)], 1)  # N, M
+    dg = dH * H * (1 - H)
+    dscale = (dg * uW).sum().reshape(1)
+    db = dg.sum(0)
+    dg_rs = dg * rs.unsqueeze(-1)
+    dW = torch.cat([z[r].t() @ dg_rs for r in range(M)]) * s
+    c = (dg * uW).sum(-1) * s / (M * D)  # mean(du . u) per token
+    t = dg_rs * s
+    coef = -(rs * rs * c).unsqueeze(-1)
+    dz = torch.empty_like(z)
+    for r in range(M):
+        d = torch.mm(t, W[r * D : (r + 1) * D].t(), out=dz[r])
+        d.addcmul_(dh, H[:, r : r + 1])
+        d.addcmul_(z[r], coef)
+    p = target.fusion_scale, target.fusion_weight, target.fusion_bias
+    return dz.view(M, B, T, D), [dscale.to(p[0].dtype), dW.to(p[1].dtype), db.to(p[2].dtype)]

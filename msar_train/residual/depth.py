@@ -124,6 +124,8 @@ class DepthBackend(ResidualBackend):
         self.layout = BlockLayout(self.n_branches, n_blocks)
         # Source j's expansion is shared by every target reading it; built once per process.
         self._banks: dict[int, SourceExpansion] = {}
+        # Block n's targets with queries built in this process, in branch order (their phase 1 is batched).
+        self._peers: dict[int, list[DepthTarget]] = {}
         self.kernel = DepthKernel(getattr(cfg, "kernel", "torch"), self.num_streams, self.bank)
 
     def bank(self, j: int) -> SourceExpansion:
@@ -351,6 +353,10 @@ class DepthSite(ResidualSite):
         self.block = lay.block_of(branch)  # n
         self.has_partial = not lay.is_first(branch)
         self.target = backend._target(single_source=self.block == 1 and not self.has_partial)
+        if not self.target.single_source:
+            peers = backend._peers.setdefault(self.block, [])
+            peers.append(self.target)
+            self.target.__dict__["_peers"] = peers
         # Sources b_0..b_{n-1} plus the partial of block n (which uses source n's expansion).
         self.banks = nn.ModuleList([backend.bank(j) for j in range(self.block + 1)])
         self.width = backend.conv_reach
@@ -376,6 +382,7 @@ class DepthExit(Diagnosable, nn.Module):
         self.target_index = backend.n_branches + 1  # Diagnosable: l = L + 1
         self.n_sources = backend.layout.n_blocks + 1
         self.target = backend._target()
+        self.target.__dict__["_peers"] = [self.target]  # the exit is a block of its own
         self.banks = nn.ModuleList([backend.bank(j) for j in range(self.n_sources)])
         self.width = backend.conv_reach
 
