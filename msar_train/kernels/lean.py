@@ -216,7 +216,7 @@ class TargetFn(torch.autograd.Function):
     def backward(ctx, dh_BTD):
         target, entries, M = ctx.target, ctx.entries, ctx.M
         qg_MD, lse, *rest = ctx.saved_tensors
-        fusion_params, srcs = rest[: ctx.n_fusion], rest[ctx.n_fusion :]
+        srcs = rest[ctx.n_fusion :]  # the fusion parameters are saved for autograd's version check only
         dh_BTD = dh_BTD.contiguous()
         streams_S, rinvs = zip(*(_streams_of(e, s, M) for e, s in zip(entries, srcs)))
         streams_S = list(streams_S)

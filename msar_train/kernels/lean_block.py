@@ -169,7 +169,6 @@ class BlockTargetFn(torch.autograd.Function):
     def forward(ctx, target, group, q, M, n_fusion, qg_MD, sources_n, *tensors):
         fusion_params = tensors[:n_fusion]
         srcs = list(tensors[n_fusion : n_fusion + sources_n])
-        tok = tensors[n_fusion + sources_n]
         partial = tensors[n_fusion + sources_n + 1] if len(tensors) > n_fusion + sources_n + 1 else None
         pw = list(tensors[n_fusion + sources_n + 2 :])
         pe = None
@@ -194,7 +193,6 @@ class BlockTargetFn(torch.autograd.Function):
     def backward(ctx, dh_BTD):
         target, group, q, M = ctx.target, ctx.group, ctx.q, ctx.M
         qg, *rest = ctx.saved_tensors
-        fusion_params = rest[: ctx.n_fusion]
         srcs = list(rest[ctx.n_fusion : ctx.n_fusion + ctx.n_src])
         partial, pw = None, []
         if ctx.has_partial:
