@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 Expand = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -36,18 +35,16 @@ def causal_depthwise_conv(x_BTD: torch.Tensor, w_KD: torch.Tensor, doc_ids_BT: t
     With ``doc_ids_BT`` a tap never reaches into another document (the same policy as the attention
     mask), so packed documents do not leak into each other through the expansion.
     """
-    K = w_KD.shape[0]
-    if doc_ids_BT is None:
-        # conv1d correlates: out[t] = sum_k w[k] x[t + k - (K-1)], so tap k is delta = K-1-k.
-        x_BDT = F.pad(x_BTD.transpose(1, 2), (K - 1, 0))
-        w_D1K = w_KD.flip(0).t().unsqueeze(1)
-        return F.conv1d(x_BDT, w_D1K.to(x_BTD.dtype), groups=x_BTD.shape[-1]).transpose(1, 2)
-    T = x_BTD.shape[1]
-    y = x_BTD * w_KD[0]
+    # Shifted multiply-adds in [B, T, D] (on CPU ~4x faster than conv1d with its two transposes).
+    K, T = w_KD.shape[0], x_BTD.shape[1]
+    w = w_KD.to(x_BTD.dtype)
+    y = x_BTD * w[0]
     for delta in range(1, min(K, T)):
-        same_BT = doc_ids_BT[:, delta:] == doc_ids_BT[:, :-delta]
-        shifted = x_BTD[:, :-delta] * same_BT.unsqueeze(-1).to(x_BTD.dtype)
-        y = y + F.pad(shifted * w_KD[delta], (0, 0, delta, 0))
+        shifted = x_BTD[:, :-delta]
+        if doc_ids_BT is not None:
+            same_BT = doc_ids_BT[:, delta:] == doc_ids_BT[:, :-delta]
+            shifted = shifted * same_BT.unsqueeze(-1).to(x_BTD.dtype)
+        y[:, delta:].addcmul_(shifted, w[delta])
     return y
 
 
