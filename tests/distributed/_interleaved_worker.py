@@ -171,6 +171,9 @@ def main() -> None:
     res = {"parity": parity, "checkpoint": checkpoint}[mode](out)
     rank = dist.get_rank()
     (out / f"{mode}_rank{rank}.json").write_text(json.dumps(res))
+    from msar_train.parallel.engine import shutdown_distributed
+
+    shutdown_distributed()  # not left to the interpreter's exit (see its docstring)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 
 def main() -> None:
     from msar_train.config import compose_config
+    from msar_train.parallel.engine import shutdown_distributed
     from msar_train.train.trainer import Trainer
 
     out, overrides = Path(sys.argv[1]), sys.argv[2:]
@@ -40,6 +41,9 @@ def main() -> None:
     if captured:
         rank = int(os.environ.get("RANK", "0"))
         torch.save({"ids": batch.input_ids_BT, "logits": captured[0], "step": trainer.step}, out / f"logits_rank{rank}.pt")
+    # As msar-train does: end the gloo groups on every rank together, not in the interpreter's exit
+    # (where a rank now and then aborts with "terminate called without an active exception").
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
