@@ -15,14 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_acceptance.sh"
 
 
-def _run(*args: str, tmp: Path) -> subprocess.CompletedProcess:
+def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("OUT", None)
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_dry_run_prints_the_plan_and_checks_it(tmp_path):
-    proc = _run("--dry-run", str(tmp_path / "rep"), tmp=tmp_path)
+    proc = _run("--dry-run", str(tmp_path / "rep"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "dry run ok" in out
@@ -38,12 +38,12 @@ def test_dry_run_prints_the_plan_and_checks_it(tmp_path):
 
 
 def test_unknown_option_exits_2(tmp_path):
-    proc = _run("--bogus", tmp=tmp_path)
+    proc = _run("--bogus")
     assert proc.returncode == 2 and "unknown option '--bogus'" in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refusal without a GPU")
 def test_real_run_without_a_gpu_is_refused(tmp_path):
-    proc = _run(str(tmp_path / "rep"), tmp=tmp_path)
+    proc = _run(str(tmp_path / "rep"))
     assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr and "--dry-run" in proc.stderr
     assert not (tmp_path / "rep").exists()
