@@ -6,7 +6,8 @@
 
 Each file holds the per-step values of a 20-step ``model=tiny`` run of one preset (``train/loss``,
 ``train/total_loss``, ``grad_norm``, ``moe/load_max_over_mean``), the platform that wrote it (torch,
-DeepSpeed, CPU architecture and the SIMD level torch dispatches to) and the tolerances used on another
+DeepSpeed, CPU architecture, the SIMD level torch dispatches to, and the CPU's model, cache size and ISA
+flags) and the tolerances used on another
 platform. ``msar-pp2-v2.json`` also has ``comm/bytes_per_step`` of the same run on 2 pipeline ranks with 2
 virtual stages each (the summary cache's traffic). The comparison is bitwise when the platform matches
 the file's, else within the file's relative tolerances (bytes always exactly). One thread per run, so the
@@ -28,6 +29,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -75,7 +77,32 @@ def platform_facts() -> dict[str, str]:
         "deepspeed": deepspeed.__version__,
         "machine": platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **cpu_identity(),
     }
+
+
+# CPUID feature flags that select a BLAS / oneDNN kernel (and so a float summation order).
+ISA_FLAG = re.compile(r"(avx|amx|fma|f16c|sse|ssse|bmi|adx|sha|vaes|vpclmul|gfni)")
+
+
+def cpu_identity(cpuinfo: str | None = None) -> dict[str, str]:
+    """CPU model, last-level cache and the ISA flags from /proc/cpuinfo.
+
+    torch's SIMD level alone is too coarse: two machines that both report AVX512 gave different
+    last bits in fp32 (MKL picks its GEMM kernel and blocking from CPUID and cache sizes), so a
+    file written on one failed the bitwise check on the other."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {"cpu": platform.processor() or "unknown"}
+
+    def field(name: str) -> str:
+        m = re.search(rf"^{name}\s*:\s*(.*)$", cpuinfo, re.M)
+        return m.group(1).strip() if m else "unknown"
+
+    flags = sorted(f for f in field("flags").split() if ISA_FLAG.match(f))
+    return {"cpu": field("model name"), "cpu_cache": field("cache size"), "cpu_isa": " ".join(flags)}
 
 
 def _rows(run_dir: Path, keys: tuple[str, ...]) -> list[dict]:

@@ -41,7 +41,16 @@ def test_every_preset_has_a_golden_file():
     for name in have:
         d = json.loads((g.GOLDEN / f"{name}.json").read_text())
         assert [s["step"] for s in d["steps"]] == list(range(1, g.STEPS + 1))
-        assert set(d["platform"]) == {"torch", "deepspeed", "machine", "cpu_capability"} and d["tolerance_rel"]
+        assert set(d["platform"]) == {"torch", "deepspeed", "machine", "cpu_capability", "cpu", "cpu_cache", "cpu_isa"}
+        assert d["tolerance_rel"]
+
+
+def test_two_cpus_with_the_same_simd_level_are_different_platforms():
+    g = _golden()
+    info = "model name\t: Xeon X\ncache size\t: 1024 KB\nflags\t\t: fpu avx2 avx512f fma amx_tile pse\n"
+    assert g.cpu_identity(info) == {"cpu": "Xeon X", "cpu_cache": "1024 KB", "cpu_isa": "amx_tile avx2 avx512f fma"}
+    assert g.cpu_identity(info.replace(" amx_tile", "")) != g.cpu_identity(info)  # same AVX512 level, no AMX
+    assert g.cpu_identity(info.replace("1024", "2048")) != g.cpu_identity(info)
 
 
 def test_compare_is_bitwise_on_the_same_platform_else_within_the_tolerance(monkeypatch):
