@@ -44,19 +44,20 @@ def _weights(S, M, ks, D, g, dtype=torch.float64):
     return W
 
 
-# (S, B, T, D, M, Q, conv kernel sizes of streams >= 1, BLOCK_T, documents)
+# (S, B, T, D, M, Q, conv kernel sizes of streams >= 1, BLOCK_T, BLOCK_D, documents). BLOCK_D below D:
+# the kernels walk the channels in several chunks, the last one masked when BLOCK_D does not divide D.
 P1_SHAPES = [
-    (1, 1, 5, 8, 1, 1, [], 4, False),  # one completed source (first block), m = 1, odd T
-    (3, 2, 7, 12, 2, 2, [3], 4, False),  # odd T and D, two targets
-    (4, 1, 3, 8, 4, 1, [2, 3, 5], 2, False),  # T shorter than the widest kernel
-    (2, 2, 9, 16, 4, 3, [2, 3, 5], 4, True),  # document mask
-    (2, 1, 6, 8, 8, 1, [2, 3, 4, 5, 2, 3, 4], 8, False),  # m = 8
+    (1, 1, 5, 8, 1, 1, [], 4, None, False),  # one completed source (first block), m = 1, odd T, one chunk
+    (3, 2, 7, 12, 2, 2, [3], 4, 8, False),  # odd T, D = 12 in chunks of 8 (masked tail), two targets
+    (4, 1, 3, 8, 4, 1, [2, 3, 5], 2, 2, False),  # T shorter than the widest kernel, four chunks
+    (2, 2, 9, 16, 4, 3, [2, 3, 5], 4, 4, True),  # document mask, four chunks, three targets
+    (2, 1, 6, 8, 8, 1, [2, 3, 4, 5, 2, 3, 4], 8, None, False),  # m = 8
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("S,B,T,D,M,Q,ks,bt,doc", P1_SHAPES)
-def test_triton_phase1_matches_reference(S, B, T, D, M, Q, ks, bt, doc, dtype):
+@pytest.mark.parametrize("S,B,T,D,M,Q,ks,bt,bd,doc", P1_SHAPES)
+def test_triton_phase1_matches_reference(S, B, T, D, M, Q, ks, bt, bd, doc, dtype):
     if dtype == torch.bfloat16 and M > 4:
         pytest.skip("bf16 checked on the smaller shapes (interpreter time)")
     g = torch.Generator().manual_seed(S * 100 + T)
@@ -73,7 +74,7 @@ def test_triton_phase1_matches_reference(S, B, T, D, M, Q, ks, bt, doc, dtype):
     ref_g = torch.autograd.grad((z_r * gz).sum() + (lse_r * gl).sum(), ref_in)
 
     k_in = [src.clone().requires_grad_(), W.float().requires_grad_(), qg.float().requires_grad_()]
-    z, lse = td.phase1(k_in[0], k_in[1], k_in[2], torch.tensor(ks, dtype=torch.int32, device=DEV), doc_ids, 1e-6, bt)
+    z, lse = td.phase1(k_in[0], k_in[1], k_in[2], torch.tensor(ks, dtype=torch.int32, device=DEV), doc_ids, 1e-6, bt, bd)
     ((z * gz.float()).sum() + (lse * gl.float()).sum()).backward()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for name, got, want in [("z1", z, z_r), ("lse", lse, lse_r)] + [(n, t.grad, w) for n, t, w in zip(["dsrc", "dW", "dqg"], k_in, ref_g)]:
@@ -82,8 +83,10 @@ def test_triton_phase1_matches_reference(S, B, T, D, M, Q, ks, bt, doc, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,T,D,M,ks,bt,doc", [(1, 5, 8, 1, [], 4, False), (2, 7, 12, 4, [2, 3, 5], 4, True), (1, 3, 8, 2, [5], 2, False)])
-def test_triton_phase2_matches_reference(B, T, D, M, ks, bt, doc, dtype):
+@pytest.mark.parametrize(
+    "B,T,D,M,ks,bt,bd,doc", [(1, 5, 8, 1, [], 4, None, False), (2, 7, 12, 4, [2, 3, 5], 4, 8, True), (1, 3, 8, 2, [5], 2, 2, False)]
+)
+def test_triton_phase2_matches_reference(B, T, D, M, ks, bt, bd, doc, dtype):
     g = torch.Generator().manual_seed(T)
     ks = [1] + ks
     z1 = torch.randn(M, B, T, D, generator=g, dtype=torch.float64).to(DEV)
@@ -111,7 +114,7 @@ def test_triton_phase2_matches_reference(B, T, D, M, ks, bt, doc, dtype):
         W.float().requires_grad_(),
         qg.float().requires_grad_(),
     ]
-    z = td.phase2(*k_in[:3], k_in[3], k_in[4], torch.tensor(ks, dtype=torch.int32, device=DEV), doc_ids, 1e-6, bt)
+    z = td.phase2(*k_in[:3], k_in[3], k_in[4], torch.tensor(ks, dtype=torch.int32, device=DEV), doc_ids, 1e-6, bt, bd)
     assert z.dtype == dtype
     (z.float() * gz.float()).sum().backward()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -129,8 +132,8 @@ def test_two_phase_kernels_equal_direct_softmax():
     W = _weights(S + 1, M, ks, D, g).float()
     qg = torch.randn(1, M, D, generator=g) * 2
     kst = torch.tensor(ks, dtype=torch.int32)
-    z1, lse = td.phase1(src[:S], W[:S], qg, kst, None, 1e-6, 4)
-    z = td.phase2(z1[0], lse[0], src[S], W[S], qg[0], kst, None, 1e-6, 4)
+    z1, lse = td.phase1(src[:S], W[:S], qg, kst, None, 1e-6, 4, 4)
+    z = td.phase2(z1[0], lse[0], src[S], W[S], qg[0], kst, None, 1e-6, 4, 4)
     z_direct, _ = _ref_phase1(src.double(), W.double(), ks, qg.double(), None, 1e-6)
     torch.testing.assert_close(z.double(), z_direct[0], rtol=1e-5, atol=1e-5)
 
@@ -141,3 +144,15 @@ def test_triton_kernel_model_matches_torch_path(res):
         pytest.skip("the model-level check runs the interpreter on CPU tensors")
     # residual.kernel=triton end to end: loss and every parameter gradient against the reference path.
     _compare(res, n_layers=2, seq=5, kernel="triton", dtype=torch.float32, tol=2e-4)
+
+
+@pytest.mark.parametrize("D", [8, 12, 384, 2048, 2560, 4096, 7168])
+def test_launch_config_keeps_channel_chunks_small_at_every_width(D):
+    bt, bd, nw = td.launch_config(D)
+    assert bd <= td.BLOCK_D_MAX and bd >= min(D, td.BLOCK_D_MAX) and bd & (bd - 1) == 0
+    assert bt * bd // (32 * nw) <= 16  # fp32 registers per thread of one [BLOCK_T, BLOCK_D] tile
+
+
+def test_launch_config_rejects_blocks_that_are_not_powers_of_two():
+    with pytest.raises(ValueError, match="block_d"):
+        td.launch_config(64, block_d=24)
