@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=20
 
 .PHONY: venv train test test-all lint format params clean
 

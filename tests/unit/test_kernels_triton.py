@@ -55,8 +55,16 @@ P1_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("S,B,T,D,M,Q,ks,bt,bd,doc", P1_SHAPES)
+# Under the CPU interpreter the document-mask shape takes ~27 s per dtype: its bf16 case runs with the
+# slow tests (`make test-all`); fp32 covers the mask in the default run. On a GPU every case is quick.
+P1_CASES = [
+    pytest.param(*shape, dtype, marks=[pytest.mark.slow] if DEV == "cpu" and shape[-1] and dtype == torch.bfloat16 else [])
+    for dtype in (torch.float32, torch.bfloat16)
+    for shape in P1_SHAPES
+]
+
+
+@pytest.mark.parametrize("S,B,T,D,M,Q,ks,bt,bd,doc,dtype", P1_CASES)
 def test_triton_phase1_matches_reference(S, B, T, D, M, Q, ks, bt, bd, doc, dtype):
     if dtype == torch.bfloat16 and M > 4:
         pytest.skip("bf16 checked on the smaller shapes (interpreter time)")
