@@ -30,8 +30,10 @@ class DepthKernel:
         self.num_streams = num_streams
         self.bank = bank
         self.runtime = lean.Runtime()
-        # Block-batched phase 1 on the torch path (kernels/lean_block.py); False: one phase 1 per target.
+        # Block-batched phase 1 (torch: kernels/lean_block.py; triton: triton_depth.block_target_forward);
+        # False: one phase 1 per target.
         self.batched = True
+        self._triton_groups: dict = {}
         if name == "compile":
             lean.use_compiled(True)
         if name == "triton":
@@ -42,10 +44,15 @@ class DepthKernel:
     def forward(self, target, sources: list[torch.Tensor], partial: torch.Tensor | None, doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
         n = len(sources) + int(partial is not None)
         banks = [self.bank(j) for j in range(n)]
-        if self.name == "triton" and not target.single_source:
-            return self._triton.target_forward(target, sources, partial, banks, doc_ids_BT, self.num_streams)
         peers = target.__dict__.get("_peers")
-        if self.name == "torch" and self.batched and peers and target in peers and sources and _shared():
+        batch = self.batched and peers and target in peers and sources and _shared()
+        if self.name == "triton" and not target.single_source:
+            if batch:
+                return self._triton.block_target_forward(
+                    target, peers, sources, partial, banks, doc_ids_BT, self.num_streams, self._triton_groups
+                )
+            return self._triton.target_forward(target, sources, partial, banks, doc_ids_BT, self.num_streams)
+        if self.name == "torch" and batch:
             return lean_block.target_forward(target, peers, sources, partial, banks, doc_ids_BT, self.num_streams, self.runtime)
         return lean.target_forward(target, sources, partial, banks, doc_ids_BT, self.num_streams, self.runtime)
 

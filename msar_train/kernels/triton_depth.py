@@ -20,6 +20,8 @@ source tile through L2 instead of from memory M times.
   expansion of each completed source is computed in registers, chunk by chunk; only
   ``z1 = o / sum exp`` [Q,M,B,T,D] and ``lse`` [Q,M,B,T] are outputs (plus the logits and RMS
   scales, [Q,M,S,B,T] each, kept for backward). The expanded streams never reach memory.
+  The model calls it once per block (:func:`block_target_forward`): Q = the block's targets in
+  this process, so each completed source is read once per block, forward and backward.
 * phase 1 backward: a stats kernel (per target and stream) turns the saved logits and dz.E into the
   softmax-backward coefficients (p, d logit * rinv, the RMS term) [Q,M,S,B,T] and the pseudo-query
   gradient; then, one source at a time, a kernel sums the expanded-stream gradient over the Q targets
@@ -584,4 +586,58 @@ def target_forward(target, sources, partial, banks, doc_ids_BT, M: int, block_t:
     else:
         Wp, ksp = stacked_weights([banks[len(sources)]], M, D, partial)
         z = phase2(z1[0], lse[0], partial, Wp[0], qg, ksp, doc_ids_BT, target.eps, block_t)
+    return target.fuse(z)
+
+
+class BlockPhase1:
+    """Phase 1 of one block in one forward on the Triton path: ``z1`` and ``lse`` of all its local
+    targets from one ``phase1`` launch (Q = the block's targets in this process), handed out per target.
+
+    The per-target views come from one ``unbind``, so autograd gathers the Q targets' gradients into one
+    ``dz1 [Q,M,B,T,D]`` (a stack, not Q zero-padded copies) and ``Phase1.backward`` runs once for the
+    block: the stats kernel over all Q, then per completed source one ``_p1_dE`` pass that sums the Q
+    targets in registers and one transposed-conv pass. Sources are read once per block instead of Q
+    times, forward and backward."""
+
+    def __init__(self, peers: list, sources: list[torch.Tensor], doc_ids_BT, z1_QMBTD, lse_QMBT):
+        import weakref
+
+        self.s_refs = [weakref.ref(s) for s in sources]
+        self.doc_ref = None if doc_ids_BT is None else weakref.ref(doc_ids_BT)
+        self.n_peers = len(peers)
+        self.z1 = z1_QMBTD.unbind(0)
+        self.lse = lse_QMBT.unbind(0)
+        self.read_by: set[int] = set()
+
+    def matches(self, sources: list[torch.Tensor], doc_ids_BT) -> bool:
+        same_doc = doc_ids_BT is None if self.doc_ref is None else self.doc_ref() is doc_ids_BT
+        return same_doc and len(sources) == len(self.s_refs) and all(r() is s for r, s in zip(self.s_refs, sources))
+
+
+def block_target_forward(
+    target, peers: list, sources, partial, banks, doc_ids_BT, M: int, groups: dict, block_t: int | None = None
+) -> torch.Tensor:
+    """``h_BTD`` of ``target`` (one of ``peers``, its block's targets in this process) with phase 1 run
+    once per block: the first of the block's targets to read launches it for all peers (their stacked
+    pseudo-queries), the others take their share. ``groups`` (one per model) holds each block's
+    :class:`BlockPhase1` until its last peer has read. Equal to :func:`target_forward` per target."""
+    key = id(peers)
+    g = groups.get(key)
+    if g is None or id(target) in g.read_by or not g.matches(sources, doc_ids_BT):
+        D = sources[0].shape[-1]
+        W, ks = stacked_weights(banks[: len(sources)], M, D, sources[0])
+        qg_QMD = torch.stack([t.qg() for t in peers])
+        z1, lse = phase1(torch.stack(sources), W, qg_QMD, ks, doc_ids_BT, target.eps, block_t)
+        g = groups[key] = BlockPhase1(peers, sources, doc_ids_BT, z1, lse)
+    q = peers.index(target)
+    g.read_by.add(id(target))
+    if len(g.read_by) == g.n_peers:
+        del groups[key]  # every peer has its share: the views live on in the targets' graphs only
+    z1, lse = g.z1[q], g.lse[q]
+    if partial is None:
+        z = z1.to(sources[0].dtype)
+    else:
+        D = sources[0].shape[-1]
+        Wp, ksp = stacked_weights([banks[len(sources)]], M, D, partial)
+        z = phase2(z1, lse, partial, Wp[0], target.qg(), ksp, doc_ids_BT, target.eps, block_t)
     return target.fuse(z)

@@ -164,3 +164,50 @@ def test_launch_config_keeps_channel_chunks_small_at_every_width(D):
 def test_launch_config_rejects_blocks_that_are_not_powers_of_two():
     with pytest.raises(ValueError, match="block_d"):
         td.launch_config(64, block_d=24)
+
+
+@pytest.mark.parametrize(
+    "res,doc", [(dict(name="msar", n_blocks=2, kernel_sizes=[2, 3, 4]), True), (dict(name="attnres", n_blocks=2), False)]
+)
+def test_triton_block_batched_phase1_matches_per_target(res, doc):
+    """residual.kernel=triton with phase 1 once per block (Q = the block's targets) against one phase 1
+    per target: equal loss and gradients, and the batched path really runs (one launch per block)."""
+    if DEV == "cuda":
+        pytest.skip("the model-level check runs the interpreter on CPU tensors")
+    from msar_train.config.schema import ResidualConfig
+    from tests.unit.helpers import build, ids, perturb_residual
+    from tests.unit.test_kernels import _loss_and_grads
+
+    m = build(ResidualConfig(**res, kernel="triton"), n_layers=3, document_mask=doc, dtype=torch.float32)
+    perturb_residual(m, scale=0.3)
+    x = ids(batch=2, seq=6)
+    d = p = None
+    if doc:
+        d = torch.tensor([[0] * 2 + [1] * 4, [0] * 6])
+        p = torch.stack([torch.tensor([0, 1, 0, 1, 2, 3]), torch.arange(6)])
+    qs = []
+    orig = td.Phase1.forward
+
+    def counting(ctx, src, W, qg, *rest):
+        qs.append(qg.shape[0])
+        return orig(ctx, src, W, qg, *rest)
+
+    td.Phase1.forward = staticmethod(counting)
+    try:
+        l1, g1 = _loss_and_grads(m, x, d, p)
+        calls_batched, qs[:] = list(qs), []
+        m.backend.kernel.batched = False
+        l2, g2 = _loss_and_grads(m, x, d, p)
+    finally:
+        td.Phase1.forward = staticmethod(orig)
+    lay = m.backend.layout
+    # blocks 2.. (block 1's targets after branch 1, if any, form one more group), and the exit (Q = 1)
+    groups = lay.n_blocks - 1 + 1 + int(lay.bounds[0][1] > 1)
+    assert len(calls_batched) == groups and max(calls_batched) > 1, calls_batched
+    assert sum(calls_batched) == len(qs) and set(qs) == {1}
+    assert not m.backend.kernel._triton_groups  # every group released after its last target
+    torch.testing.assert_close(l1, l2, rtol=1e-6, atol=1e-6)
+    assert set(g1) == set(g2)
+    for name in g2:
+        scale = g2[name].abs().max().item() + 1e-30
+        assert (g1[name] - g2[name]).abs().max().item() / scale < 1e-5, name
