@@ -396,7 +396,7 @@ def fuse_forward(target, z_MBTD: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     """(h_BTD, saved) of ``target.fuse(z_MBTD)``; ``saved`` feeds :func:`fuse_backward`."""
     M, B, T, D = z_MBTD.shape
     if target.fusion == "mean":
-        return z_MBTD.mean(0), ()
+        return (z_MBTD[0] if M == 1 else z_MBTD.mean(0)), ()  # one stream (AttnRes): h is z, no copy
     N = B * T
     z = z_MBTD.reshape(M, N, D)
     W = target.fusion_weight.detach().to(z.dtype)
@@ -417,6 +417,8 @@ def fuse_backward(target, z_MBTD: torch.Tensor, dh_BTD: torch.Tensor, saved: tup
     """(dz_MBTD, [d fusion params]) of :func:`fuse_forward` (params in the order scale, weight, bias)."""
     M, B, T, D = z_MBTD.shape
     if target.fusion == "mean":
+        if M == 1:
+            return dh_BTD.unsqueeze(0), []  # read only by the callers: no copy
         return (dh_BTD / M).unsqueeze(0).expand(M, B, T, D).contiguous(), []
     N = B * T
     H, uW, rs = saved

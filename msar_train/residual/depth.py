@@ -81,7 +81,7 @@ class DepthTarget(nn.Module):
 
     def fuse(self, z_MBTD: torch.Tensor) -> torch.Tensor:
         if self.fusion == "mean":
-            return z_MBTD.mean(0)
+            return z_MBTD[0] if z_MBTD.shape[0] == 1 else z_MBTD.mean(0)
         M, B, T, D = z_MBTD.shape
         flat_BTX = z_MBTD.permute(1, 2, 0, 3).reshape(B, T, M * D)
         H_BTM = torch.sigmoid(self.fusion_scale * (da.rms_normalize(flat_BTX, self.eps) @ self.fusion_weight) + self.fusion_bias)
