@@ -230,7 +230,7 @@ class BlockTargetFn(torch.autograd.Function):
             if pw:
                 ds_c, dws = lean.conv_streams_backward(partial.detach(), [w.detach() for w in pw], group.doc_ids_BT, dE[1:])
                 ds_p = ds_p + ds_c.to(ds_p.dtype)
-            else:
+            elif M > 1:
                 ds_p = dE.sum(0)
             ds_p = ds_p.to(partial.dtype)
         tail = [] if partial is None else [ds_p, *dws]
