@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from msar_train.init_tags import tag_init
-from msar_train.kernels.depth_attention import rms_normalize
 from msar_train.residual.base import Branch, ResidualBackend, ResidualSite, SeqContext, State, register
 
 
@@ -59,12 +58,20 @@ class MHCSite(ResidualSite):
         self.b_res = tag_init(nn.Parameter(torch.eye(n) * res_diag_init), "eye", res_diag_init)
 
     def maps(self, x_BTND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(Hpre_BTN, Hpost_BTN, Hres_BTNN) for the current state."""
+        """(Hpre_BTN, Hpost_BTN, Hres_BTNN) for the current state.
+
+        ``x' W = (x W) * rinv``: the RMS scale is per token, so it is applied to the ``2N + N^2`` logits
+        instead of to the ``N*D`` inputs (x' is never formed), and the three maps are one product with
+        the concatenated weights (the streams are read once, forward and backward)."""
         B, T, N, D = x_BTND.shape
-        xn = rms_normalize(x_BTND.reshape(B, T, N * D), self.eps)
-        h_pre = torch.sigmoid(self.a_pre * (xn @ self.w_pre) + self.b_pre)
-        h_post = 2.0 * torch.sigmoid(self.a_post * (xn @ self.w_post) + self.b_post)
-        h_res = sinkhorn(self.a_res * (xn @ self.w_res).reshape(B, T, N, N) + self.b_res, self.iters)
+        flat = x_BTND.reshape(B, T, N * D)
+        sq = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.promote_types(flat.dtype, torch.float32)).square()
+        rinv = torch.rsqrt(sq / (N * D) + self.eps).to(flat.dtype)
+        logits = (flat @ torch.cat([self.w_pre, self.w_post, self.w_res], 1).to(flat.dtype)) * rinv
+        pre, post, res = logits.split([N, N, N * N], -1)
+        h_pre = torch.sigmoid(self.a_pre * pre + self.b_pre)
+        h_post = 2.0 * torch.sigmoid(self.a_post * post + self.b_post)
+        h_res = sinkhorn(self.a_res * res.reshape(B, T, N, N) + self.b_res, self.iters)
         return h_pre, h_post, h_res
 
     def forward(self, state: State, branch: Branch, ctx: SeqContext) -> State:
@@ -73,9 +80,11 @@ class MHCSite(ResidualSite):
         if self.recording:
             self.record(hres_diagnostics(h_res))
         dt = x_BTND.dtype
-        f_BTD = branch((h_pre.to(dt).unsqueeze(-1) * x_BTND).sum(-2))
+        # Hpre x and Hres x as batched [N]-by-[N, D] products per token (no [B,T,N,D] product is formed);
+        # Hpost^T f is added in place into Hres x (matmul saves its inputs, not its output).
+        f_BTD = branch(torch.matmul(h_pre.to(dt).unsqueeze(-2), x_BTND).squeeze(-2))
         mixed = torch.matmul(h_res.to(dt), x_BTND)
-        return (mixed + h_post.to(dt).unsqueeze(-1) * f_BTD.unsqueeze(-2),)
+        return (mixed.addcmul_(h_post.to(dt).unsqueeze(-1), f_BTD.unsqueeze(-2)),)
 
 
 class _Entry(nn.Module):
@@ -115,12 +124,12 @@ class MHCBackend(ResidualBackend):
         return ["streams"]
 
     def site_activation_bytes(self, layer_idx: int, sublayer: int, batch: int, seq: int, elem: int) -> int:
-        """Normalised flat streams and the new streams (n x D each), the pre-mixed branch input and the
-        branch output (D each), the maps in fp32 (pre, post, their logits; Sinkhorn keeps each
-        iteration's row and column sums and quotients: 2 iters (n^2 + n))."""
+        """The new streams (n x D; the maps read the streams themselves, no normalised copy is formed),
+        the pre-mixed branch input and the branch output (D each), the maps in fp32 (pre, post, their
+        logits; Sinkhorn keeps each iteration's row and column sums and quotients: 2 iters (n^2 + n))."""
         n, d, iters = self.cfg.mhc_streams, self.d_model, self.cfg.sinkhorn_iters
         maps = 4 * (4 * n + 3 * n * n + 2 * iters * (n * n + n))
-        return batch * seq * (elem * (2 * n * d + 2 * d) + maps)
+        return batch * seq * (elem * (n * d + 2 * d) + maps)
 
     def exit_activation_bytes(self, batch: int, seq: int, elem: int) -> int:
         return elem * batch * seq * self.d_model  # the stream mean
