@@ -390,6 +390,16 @@ def frontier_multiplier(res: dict[str, dict], b: str, loss: float) -> float:
     return cv / cb if math.isfinite(cb) else float("nan")
 
 
+def power_multiplier(fv, fb, loss: float) -> float:
+    """C_vanilla(loss) / C_b(loss) on the power laws ``fv``, ``fb`` (None: no fit): as
+    :func:`frontier_multiplier`, nan when ``b``'s law never reaches ``loss`` (also when vanilla's does not
+    either, where the quotient would be inf / inf), inf when only vanilla's misses it."""
+    if not fv or not fb:
+        return float("nan")
+    cb = compute_at(fb, loss)
+    return compute_at(fv, loss) / cb if math.isfinite(cb) else float("nan")
+
+
 def size_flops(finals: dict, corpus: str, model: str) -> float:
     """Mean training FLOPs of a model size over every backend and seed that ran it."""
     return float(np.mean([v[0] for (c, _b, m), cell in finals.items() if c == corpus and m == model for v in cell.values()]))
@@ -506,8 +516,8 @@ def scaling_section(
                 m_front = frontier_multiplier(base, b, t)
                 bf = [frontier_multiplier(x, b, t) for x in boots]
                 fv, fb = base["vanilla"]["fit"], base[b]["fit"]
-                m_pow = compute_at(fv, t) / compute_at(fb, t) if fv and fb else float("nan")
-                bp = [compute_at(x["vanilla"]["fit"], t) / compute_at(x[b]["fit"], t) for x in boots if x["vanilla"]["fit"] and x[b]["fit"]]
+                m_pow = power_multiplier(fv, fb, t)
+                bp = [power_multiplier(x["vanilla"]["fit"], x[b]["fit"], t) for x in boots if x["vanilla"]["fit"] and x[b]["fit"]]
                 iv_f = interval(bf) if boots else "n/a (one seed)"
                 iv_p = interval(bp) if boots else "n/a (one seed)"
                 shown_p = f"{m_pow:.3f}x" if math.isfinite(m_pow) else "undefined (a fit never reaches it)"

@@ -52,3 +52,12 @@ def test_multiplier_recovers_a_known_compute_factor():
     assert math.isnan(report.frontier_multiplier(res, "msar", res["msar"]["y"][-1] - 0.01))
     assert "the backend misses it in 1" in report.interval([1.5, 1.6, float("nan")])
     assert report.interval([1.0, float("inf")]).endswith("vanilla misses it in 1)")
+
+
+def test_power_multiplier_names_who_misses_the_target():
+    fv, fb = (5.0, 1.0, 0.5, 1.0), (4.0, 1.0, 0.5, 1.0)  # vanilla's law floors at 5.0, the backend's at 4.0
+    assert report.power_multiplier(fv, fb, 4.5) == math.inf  # only vanilla never reaches 4.5
+    assert math.isnan(report.power_multiplier(fb, fv, 4.5))  # the backend misses it
+    assert math.isnan(report.power_multiplier(fv, fv, 4.5))  # both miss: not inf / inf counted as anything else
+    assert math.isnan(report.power_multiplier(None, fb, 4.5))
+    assert report.power_multiplier(fv, fv, 5.5) == pytest.approx(1.0)
