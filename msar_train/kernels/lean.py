@@ -442,3 +442,31 @@ def fuse_backward(target, z_MBTD: torch.Tensor, dh_BTD: torch.Tensor, saved: tup
         d.addcmul_(z[r], coef)
     p = target.fusion_scale, target.fusion_weight, target.fusion_bias
     return dz.view(M, B, T, D), [dscale.to(p[0].dtype), dW.to(p[1].dtype), db.to(p[2].dtype)]
+
+
+class FuseFn(torch.autograd.Function):
+    """``target.fuse(z_MBTD)`` with adaptive fusion through :func:`fuse_forward` / :func:`fuse_backward`
+    (no [B,T,M*D] copy or normalised copy of z; saves z and 3 per-token statistics). For callers that
+    hold z as an autograd tensor (the Triton path)."""
+
+    @staticmethod
+    def forward(ctx, target, z_MBTD, scale, weight, bias):
+        with torch.no_grad():
+            h, saved = fuse_forward(target, z_MBTD)
+        ctx.target, ctx.fsaved = target, saved
+        ctx.save_for_backward(z_MBTD)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh_BTD):
+        (z,) = ctx.saved_tensors
+        with torch.no_grad():
+            dz, (dscale, dW, db) = fuse_backward(ctx.target, z, dh_BTD.contiguous(), ctx.fsaved)
+        return None, dz, dscale, dW, db
+
+
+def fuse(target, z_MBTD: torch.Tensor) -> torch.Tensor:
+    """``target.fuse(z_MBTD)`` (same values), adaptive fusion through :class:`FuseFn`."""
+    if target.fusion != "adaptive":
+        return target.fuse(z_MBTD)
+    return FuseFn.apply(target, z_MBTD, target.fusion_scale, target.fusion_weight, target.fusion_bias)

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from msar_train.kernels import lean
+
 BLOCK_T_DEFAULT = 16
 BLOCK_D_MAX = 128  # a 16 x 128 fp32 tile is 16 registers per thread at 4 warps
 NUM_WARPS = 4
@@ -586,7 +588,7 @@ def target_forward(target, sources, partial, banks, doc_ids_BT, M: int, block_t:
     else:
         Wp, ksp = stacked_weights([banks[len(sources)]], M, D, partial)
         z = phase2(z1[0], lse[0], partial, Wp[0], qg, ksp, doc_ids_BT, target.eps, block_t)
-    return target.fuse(z)
+    return lean.fuse(target, z)
 
 
 class BlockPhase1:
@@ -640,4 +642,4 @@ def block_target_forward(
         D = sources[0].shape[-1]
         Wp, ksp = stacked_weights([banks[len(sources)]], M, D, partial)
         z = phase2(z1, lse, partial, Wp[0], target.qg(), ksp, doc_ids_BT, target.eps, block_t)
-    return target.fuse(z)
+    return lean.fuse(target, z)
