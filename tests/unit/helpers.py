@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -12,6 +13,15 @@ from msar_train.model.transformer import Transformer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RESIDUAL_PRESETS = sorted(p.stem for p in (CONFIGS / "residual").glob("*.yaml"))
+SCRIPTS = CONFIGS.parent / "scripts"
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (a fresh one per call)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def preset(name: str, **over) -> ResidualConfig:

@@ -1,17 +1,12 @@
 """scripts/bench_residuals.py runs end to end on a tiny model (no timing assertions)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_residuals.py"
+from tests.unit.helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_residuals", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_residuals")
 
 
 def test_bench_runs_on_a_tiny_config(tmp_path, capsys):

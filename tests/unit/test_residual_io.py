@@ -1,21 +1,16 @@
 """scripts/residual_io.py: the byte counter on known ops, vanilla's exact 3d, the Triton launch
 accounting against the kernels' own tensors, and the report end to end on a tiny model."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "residual_io.py"
+from tests.unit.helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("residual_io", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("residual_io")
 
 
 def _counted(io, fn):
