@@ -20,14 +20,43 @@ from msar_train.init_tags import tag_init
 from msar_train.residual.base import Branch, ResidualBackend, ResidualSite, SeqContext, State, register
 
 
+class _Sinkhorn(torch.autograd.Function):
+    """Sinkhorn with a hand-written backward: each normalisation ``y = m / m.sum(dim)`` has the
+    gradient ``dm = (dy - sum(dy * y, dim)) / m.sum(dim)``, four small ops instead of the ~7 autograd
+    records for a division by a sum. It saves what autograd saved (each step's output and its sums,
+    ``2 iters (n^2 + n)`` values per token) and no graph of ``4 iters`` nodes is recorded."""
+
+    @staticmethod
+    def forward(ctx, x_BTNN, iters: int):
+        m = torch.exp(x_BTNN - x_BTNN.amax(dim=(-1, -2), keepdim=True))  # a global scale does not change the result
+        saved = []
+        for _ in range(iters):
+            for dim in (-1, -2):  # rows, then columns
+                s = m.sum(dim, keepdim=True)
+                m = m / s
+                saved += [m, s]
+        ctx.save_for_backward(*saved)
+        return m
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved = ctx.saved_tensors
+        g = dy
+        for k in range(len(saved) // 2 - 1, -1, -1):
+            y, s = saved[2 * k], saved[2 * k + 1]
+            dim = -1 if k % 2 == 0 else -2
+            g = (g - (g * y).sum(dim, keepdim=True)) / s
+        # through m0 = exp(x - max): dm0/dx = m0 with the max held fixed; the max itself gets no
+        # gradient because the first normalisation makes the result independent of any global scale
+        return g * (saved[0] * saved[1]), None  # m0 = y_0 * s_0
+
+
 def sinkhorn(logits_BTNN: torch.Tensor, iters: int) -> torch.Tensor:
     """Doubly-stochastic projection of exp(logits), in fp32 (exp underflow kills gradients in bf16)."""
     x = logits_BTNN.float()
-    M = torch.exp(x - x.amax(dim=(-1, -2), keepdim=True))  # a global scale does not change the result
-    for _ in range(iters):
-        M = M / M.sum(-1, keepdim=True)  # rows
-        M = M / M.sum(-2, keepdim=True)  # columns
-    return M
+    if iters < 1:
+        return torch.exp(x - x.amax(dim=(-1, -2), keepdim=True))
+    return _Sinkhorn.apply(x, iters)
 
 
 @torch.no_grad()

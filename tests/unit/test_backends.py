@@ -210,3 +210,22 @@ def test_conv_init_mixes_identity_and_moving_average(s):
             ref = (1 - s) * x_BTD[:, t] + s * x_BTD[:, t - k + 1 : t + 1].sum(1) / k
             torch.testing.assert_close(y[:, t], ref)
         assert torch.equal(streams[0], x_BTD)
+
+
+@pytest.mark.parametrize("iters", [0, 1, 3, 20])
+def test_mhc_sinkhorn_backward_equals_autograd_through_the_iterations(iters):
+    """The hand-written Sinkhorn backward against autograd through the plain loop, fp64."""
+    from msar_train.residual.mhc import sinkhorn
+
+    g = torch.Generator().manual_seed(iters)
+    x = (torch.randn(2, 3, 4, 4, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    dy = torch.randn(2, 3, 4, 4, generator=g, dtype=torch.float64)
+    m = torch.exp(x - x.amax(dim=(-1, -2), keepdim=True))
+    for _ in range(iters):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    (want,) = torch.autograd.grad(m, x, dy)
+    y = sinkhorn(x, iters)
+    (got,) = torch.autograd.grad(y, x, dy)
+    torch.testing.assert_close(y.double(), m, rtol=1e-6, atol=1e-7)  # fp32 inside
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
