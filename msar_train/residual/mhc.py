@@ -51,6 +51,21 @@ class _Sinkhorn(torch.autograd.Function):
         return g * (saved[0] * saved[1]), None  # m0 = y_0 * s_0
 
 
+class _SumSq(torch.autograd.Function):
+    """``sum(x^2)`` over the last dim (keepdim, accumulated and returned in at least fp32); its backward
+    is one pass, ``2 g x``, where autograd through ``vector_norm`` takes three."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32)).square()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return x * (2 * g).to(x.dtype)
+
+
 def sinkhorn(logits_BTNN: torch.Tensor, iters: int) -> torch.Tensor:
     """Doubly-stochastic projection of exp(logits), in fp32 (exp underflow kills gradients in bf16)."""
     x = logits_BTNN.float()
@@ -94,7 +109,7 @@ class MHCSite(ResidualSite):
         the concatenated weights (the streams are read once, forward and backward)."""
         B, T, N, D = x_BTND.shape
         flat = x_BTND.reshape(B, T, N * D)
-        sq = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.promote_types(flat.dtype, torch.float32)).square()
+        sq = _SumSq.apply(flat)
         rinv = torch.rsqrt(sq / (N * D) + self.eps).to(flat.dtype)
         logits = (flat @ torch.cat([self.w_pre, self.w_post, self.w_res], 1).to(flat.dtype)) * rinv
         pre, post, res = logits.split([N, N, N * N], -1)
