@@ -39,6 +39,8 @@ Import this module only when Triton is installed; on CPU set ``TRITON_INTERPRET=
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -602,8 +604,6 @@ class BlockPhase1:
     times, forward and backward."""
 
     def __init__(self, peers: list, sources: list[torch.Tensor], doc_ids_BT, z1_QMBTD, lse_QMBT):
-        import weakref
-
         self.s_refs = [weakref.ref(s) for s in sources]
         self.doc_ref = None if doc_ids_BT is None else weakref.ref(doc_ids_BT)
         self.n_peers = len(peers)
