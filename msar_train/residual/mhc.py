@@ -15,6 +15,7 @@ import math
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from msar_train.init_tags import tag_init
 from msar_train.residual.base import Branch, ResidualBackend, ResidualSite, SeqContext, State, register
@@ -39,6 +40,7 @@ class _Sinkhorn(torch.autograd.Function):
         return m
 
     @staticmethod
+    @once_differentiable  # a second backward would miss the saved steps' dependence on x: refused
     def backward(ctx, dy):
         saved = ctx.saved_tensors
         g = dy
@@ -61,6 +63,7 @@ class _SumSq(torch.autograd.Function):
         return torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32)).square()
 
     @staticmethod
+    @once_differentiable  # a second backward would miss the saved steps' dependence on x: refused
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         return x * (2 * g).to(x.dtype)

@@ -229,3 +229,12 @@ def test_mhc_sinkhorn_backward_equals_autograd_through_the_iterations(iters):
     (got,) = torch.autograd.grad(y, x, dy)
     torch.testing.assert_close(y.double(), m, rtol=1e-6, atol=1e-7)  # fp32 inside
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_mhc_sinkhorn_refuses_a_second_backward():
+    from msar_train.residual.mhc import sinkhorn
+
+    x = torch.randn(2, 4, 4, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(sinkhorn(x, 3).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()
