@@ -585,11 +585,16 @@ def target_forward(target, sources, partial, banks, doc_ids_BT, M: int, block_t:
     qg = target.qg()
     W, ks = stacked_weights(banks[: len(sources)], M, D, sources[0])
     z1, lse = phase1(torch.stack(sources), W, qg.unsqueeze(0), ks, doc_ids_BT, target.eps, block_t)
+    return _merge_and_fuse(target, z1[0], lse[0], sources, partial, banks, doc_ids_BT, M, block_t)
+
+
+def _merge_and_fuse(target, z1_MBTD, lse_MBT, sources, partial, banks, doc_ids_BT, M: int, block_t) -> torch.Tensor:
+    """``h_BTD`` from one target's phase-1 output: phase 2 with its partial (if any), then the fusion."""
     if partial is None:
-        z = z1[0].to(sources[0].dtype)
+        z = z1_MBTD.to(sources[0].dtype)
     else:
-        Wp, ksp = stacked_weights([banks[len(sources)]], M, D, partial)
-        z = phase2(z1[0], lse[0], partial, Wp[0], qg, ksp, doc_ids_BT, target.eps, block_t)
+        Wp, ksp = stacked_weights([banks[len(sources)]], M, partial.shape[-1], partial)
+        z = phase2(z1_MBTD, lse_MBT, partial, Wp[0], target.qg(), ksp, doc_ids_BT, target.eps, block_t)
     return lean.fuse(target, z)
 
 
@@ -635,11 +640,4 @@ def block_target_forward(
     g.read_by.add(id(target))
     if len(g.read_by) == g.n_peers:
         del groups[key]  # every peer has its share: the views live on in the targets' graphs only
-    z1, lse = g.z1[q], g.lse[q]
-    if partial is None:
-        z = z1.to(sources[0].dtype)
-    else:
-        D = sources[0].shape[-1]
-        Wp, ksp = stacked_weights([banks[len(sources)]], M, D, partial)
-        z = phase2(z1, lse, partial, Wp[0], target.qg(), ksp, doc_ids_BT, target.eps, block_t)
-    return lean.fuse(target, z)
+    return _merge_and_fuse(target, g.z1[q], g.lse[q], sources, partial, banks, doc_ids_BT, M, block_t)

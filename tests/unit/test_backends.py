@@ -238,3 +238,10 @@ def test_mhc_sinkhorn_refuses_a_second_backward():
     (g,) = torch.autograd.grad(sinkhorn(x, 3).pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError):
         g.sum().backward()
+
+
+def test_mhc_sum_of_squares_backward_is_differentiable_again():
+    from msar_train.residual.mhc import _SumSq
+
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_SumSq.apply, (x,)) and torch.autograd.gradgradcheck(_SumSq.apply, (x,))
