@@ -36,7 +36,9 @@ signature (``LAUNCH_IO``); a launch that works on one source ``j`` (backward ``_
 ``_conv_dw``) counts that source's slice of the per-source tensors only. Each argument counts once per
 launch, i.e. the bytes a kernel touches, a lower bound on its DRAM traffic: the kernels read a source
 tile K times for the conv taps and twice (pass A, pass B), from cache in the best case, and re-load
-the logits they stored in pass A. The torch ops around the launches count as above.
+the logits they stored in pass A. The torch ops around the launches count as above. The native
+CPU loops of the torch path (``kernels/cpu_native.py``, used on CPU for fp32/fp64) count the same
+way: each call the bytes of its tensor arguments (read) and results (written), one pass.
 
 Per token: the step runs at batch ``B`` and at batch 1 (same T); the difference of the byte counts
 divided by ``(B - 1) x T`` is what each token adds (the residual path is linear in the batch), and
@@ -309,6 +311,60 @@ def counted_launches(counter: IOCounter):
             setattr(td, name, k)
 
 
+# --- native CPU loops (kernels/cpu_native.py) -------------------------------------------------------
+
+# Per function: the names of its tensor arguments it writes (all other tensor arguments are read; an
+# argument listed in both is read and written); its returned tensors are written.
+NATIVE_IO = {
+    "conv_forward": ((), ()),
+    "conv_backward": ((), ()),
+    "weighted_sum": ((), ()),
+    "phase1_dots": ((), ()),
+    "phase1_grad": ((6, 7), (7,)),  # out (written), dqg (accumulated: read and written)
+    "fuse_forward": ((), ()),
+    "fuse_backward": ((), ()),
+}
+
+
+@contextmanager
+def counted_native(counter: IOCounter):
+    """Each call of a native loop counts the bytes of its tensor arguments and results (one fused
+    pass); the torch ops inside the wrapper (casts, the transposed fusion weight) are not counted."""
+    from msar_train.kernels import cpu_native as cn
+
+    saved = {name: getattr(cn, name) for name in NATIVE_IO}
+
+    def wrap(name, fn):
+        written, also_read = NATIVE_IO[name]
+
+        def call(*args, **kwargs):
+            c = counter
+            if c.on:
+                for i, v in enumerate(args):
+                    if i not in written or i in also_read:
+                        for t in _tensors(v):
+                            c.add(name, "read", t)
+            c.suspend += 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                c.suspend -= 1
+            if c.on:
+                for t in _tensors(out) + [t for i in written for t in _tensors(args[i])]:
+                    c.add(name, "write", t)
+            return out
+
+        return call
+
+    try:
+        for name, fn in saved.items():
+            setattr(cn, name, wrap(name, fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(cn, name, fn)
+
+
 # --- analytic -------------------------------------------------------------------------------------
 
 
@@ -456,8 +512,9 @@ def measure(model: Transformer, ids: torch.Tensor, kernel: str, backward: bool =
     scope = ResidualScope(model, counter)
     model.zero_grad(set_to_none=True)
     launches = counted_launches(counter) if kernel == "triton" else nullcontext()
+    native = counted_native(counter)
     try:
-        with launches, counter:
+        with launches, native, counter:
             loss, _ = lm_loss(model(ids), ids)
             if backward:
                 counter.phase = "bwd"

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from msar_train.kernels import cpu_native
 from msar_train.kernels.depth_attention import causal_depthwise_conv
 
 
@@ -48,6 +49,8 @@ def conv_streams_backward(
     """(ds_BTD, [dw_KD per conv stream]) of ``conv_streams`` given the streams' gradient: the transposed
     conv as shifted multiply-adds (``ds[t - delta] += w[delta] * dE[t]``, ``dw[delta] = sum dE[t] s[t - delta]``,
     document-masked like the forward); on CPU ~10x faster than ``aten.convolution_backward``."""
+    if cpu_native.usable(s_BTD, dEc_CBTD, *weights):
+        return cpu_native.conv_backward(s_BTD, weights, doc_ids_BT, dEc_CBTD)
     T = s_BTD.shape[1]
     dt = dEc_CBTD.dtype
     s = s_BTD.to(dt)
@@ -92,6 +95,11 @@ class SourceEntry:
         if self.rinv_MBT is None or (self.weights and self.Ec_CBTD is None):
             with torch.no_grad():
                 s = s_BTD.detach()
+                ws = [w.detach() for w in self.weights]
+                if ws and cpu_native.usable(s, *ws):  # streams and their sums of squares in one pass
+                    self.Ec_CBTD, sq = cpu_native.conv_forward(s, ws, self.doc_ids_BT)
+                    self.rinv_MBT = torch.rsqrt(sq.div_(s.shape[-1]).add_(self.eps))
+                    return self.Ec_CBTD, self.rinv_MBT
                 Ec = conv_streams(s, [w.detach() for w in self.weights], self.doc_ids_BT) if self.weights else None
                 sd = stat_dtype(s.dtype)
                 D = s.shape[-1]
@@ -179,6 +187,8 @@ def _logits(streams: list[torch.Tensor], rinv_MBT: torch.Tensor, qg_MD: torch.Te
 def _weighted(p_SMBT: torch.Tensor, streams_S: list[list[torch.Tensor]], M: int) -> torch.Tensor:
     """z_MBTD = sum_j p_j * E_j, accumulated per stream (no stacked copy of the sources)."""
     first = streams_S[0][0]
+    if cpu_native.usable(first, p_SMBT) and all(e.is_contiguous() for st in streams_S for e in st):
+        return cpu_native.weighted_sum(p_SMBT.reshape(len(streams_S), M, -1), streams_S)[0]
     out = torch.empty(M, *first.shape, dtype=first.dtype, device=first.device)
     for r in range(M):
         acc = torch.mul(streams_S[0][r], p_SMBT[0, r].unsqueeze(-1).to(first.dtype), out=out[r])
@@ -399,6 +409,10 @@ def fuse_forward(target, z_MBTD: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         return (z_MBTD[0] if M == 1 else z_MBTD.mean(0)), ()  # one stream (AttnRes): h is z, no copy
     N = B * T
     z = z_MBTD.reshape(M, N, D)
+    if _native_fusion(target, z):  # one pass over z per token
+        p = target.fusion_scale, target.fusion_weight, target.fusion_bias
+        h, H, uW, rs = cpu_native.fuse_forward(z, p[1].detach(), float(p[0]), p[2].detach(), target.eps)
+        return h.view(B, T, D), (H, uW, rs)
     W = target.fusion_weight.detach().to(z.dtype)
     sq = torch.linalg.vector_norm(z, dim=-1).square_().sum(0)  # N
     rs = torch.rsqrt(sq / (M * D) + target.eps)
@@ -413,6 +427,11 @@ def fuse_forward(target, z_MBTD: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     return h.view(B, T, D), (H, uW, rs)
 
 
+def _native_fusion(target, z_MND: torch.Tensor, *more: torch.Tensor) -> bool:
+    w = target.fusion_weight
+    return z_MND.shape[0] <= 64 and z_MND.is_contiguous() and w.dtype == z_MND.dtype and cpu_native.usable(z_MND, w, *more)
+
+
 def fuse_backward(target, z_MBTD: torch.Tensor, dh_BTD: torch.Tensor, saved: tuple) -> tuple[torch.Tensor, list]:
     """(dz_MBTD, [d fusion params]) of :func:`fuse_forward` (params in the order scale, weight, bias)."""
     M, B, T, D = z_MBTD.shape
@@ -424,6 +443,10 @@ def fuse_backward(target, z_MBTD: torch.Tensor, dh_BTD: torch.Tensor, saved: tup
     H, uW, rs = saved
     z = z_MBTD.reshape(M, N, D)
     dh = dh_BTD.reshape(N, D).to(z.dtype)
+    p = target.fusion_scale, target.fusion_weight, target.fusion_bias
+    if _native_fusion(target, z, dh) and H.is_contiguous() and uW.is_contiguous():
+        dz, dscale, dW, db = cpu_native.fuse_backward(z, dh.contiguous(), H, uW, rs, p[1].detach(), float(p[0]))
+        return dz.view(M, B, T, D), [dscale.to(p[0].dtype), dW.to(p[1].dtype), db.to(p[2].dtype)]
     W = target.fusion_weight.detach().to(z.dtype)
     s = target.fusion_scale.detach().to(z.dtype)
     dH = torch.stack([torch.linalg.vecdot(dh, z[r]) for r in range(M)], 1)  # N, M

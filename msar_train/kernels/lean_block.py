@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from msar_train.kernels import lean
+from msar_train.kernels import cpu_native, lean
 
 
 class BlockGroup:
@@ -63,6 +63,8 @@ def _z1(group: BlockGroup, q: int, streams_S, M: int) -> torch.Tensor:
     p = group.p(q)  # S, M, N
     first = streams_S[0][0][0]
     B, T, D = first.shape
+    if cpu_native.usable(first, p):
+        return cpu_native.weighted_sum(p, [st for st, _ in streams_S])[0]
     out = torch.empty(M, B, T, D, dtype=first.dtype, device=first.device)
     dt = first.dtype
     for r in range(M):
@@ -120,9 +122,18 @@ class Phase1Node(torch.autograd.Function):
         P = torch.exp(L[:, :, qs] - lse[:, qs])  # S, M, Qd, N
         # Pass 1: <dz1_q, E_j> for every (source, stream, target); gsum = <dz1_q, z1_q>.
         dots = torch.empty_like(P)
+        native = (
+            cpu_native.usable(first, P, *[grads[q][0] for q in qs])
+            and all(e.is_contiguous() for st, _ in streams_S for e in st)
+            and all(grads[q][0].is_contiguous() for q in qs)
+        )
+        gl = [[grads[q][0][r].view(N, D) for q in qs] for r in range(M)] if native else None  # per stream: Qd [N, D]
         for j, (streams, _) in enumerate(streams_S):
             for r in range(M):
                 E = streams[r].reshape(N, D)
+                if native:  # one read of E for all Qd targets
+                    dots[j, r] = cpu_native.phase1_dots(E, gl[r])
+                    continue
                 for i, q in enumerate(qs):
                     dots[j, r, i] = torch.linalg.vecdot(grads[q][0][r].reshape(N, D), E).to(sd)
         gsum = (P * dots).sum(0)  # M, Qd, N
@@ -140,6 +151,11 @@ class Phase1Node(torch.autograd.Function):
                 a1 = dlogit[j, r] * rinv[r].reshape(1, N)  # Qd, N
                 a2 = (-(a1 * L[j, r, qs]) * rinv[r].reshape(1, N) / D).sum(0)  # N
                 d = dE[r].view(N, D)
+                if native:  # the stream gradient and the queries' gradient in one pass over E
+                    dq = torch.zeros(len(qs), D, dtype=dt)
+                    cpu_native.phase1_grad(E, gl[r], P[j, r], a1, a2, list(QGd[:, r].unbind(0)), d, dq)
+                    dQG[qs, r] += dq.to(sd)
+                    continue
                 torch.mm(a1.t().to(dt), QGd[:, r], out=d)  # key-norm term of every target at once
                 d.addcmul_(a2.unsqueeze(-1).to(dt), E)
                 for i, q in enumerate(qs):
@@ -173,13 +189,12 @@ class BlockTargetFn(torch.autograd.Function):
         pw = list(tensors[n_fusion + sources_n + 2 :])
         pe = None
         with torch.no_grad():
-            z1 = _z1(group, q, _streams(group, srcs, M), M)
             if partial is not None:
                 pe = lean.SourceEntry(pw, group.doc_ids_BT, target.eps, (), private=bool(pw))
-                z = _merge(z1, group.lse_MQN[:, q], pe, partial, qg_MD, M)[0]
+                z = _mixture(group, q, srcs, pe, partial, qg_MD, M, want_z1=False)[0]
                 pe.release()
             else:
-                z = z1
+                z = _z1(group, q, _streams(group, srcs, M), M)
             h, fsaved = lean.fuse_forward(target, z)
         ctx.fsaved = fsaved  # per-token fusion statistics (2M + 1 per token)
         ctx.target, ctx.group, ctx.q, ctx.M, ctx.n_fusion, ctx.n_src = target, group, q, M, n_fusion, sources_n
@@ -199,13 +214,11 @@ class BlockTargetFn(torch.autograd.Function):
             partial = rest[ctx.n_fusion + ctx.n_src]
             pw = list(rest[ctx.n_fusion + ctx.n_src + 1 :])
         with torch.no_grad():
-            z1 = _z1(group, q, _streams(group, srcs, M), M)
-            lse1 = group.lse_MQN[:, q]
             if partial is not None:
                 pe = lean.SourceEntry(pw, group.doc_ids_BT, target.eps, (), private=bool(pw))
-                z, a, E2, rinv2, l2 = _merge(z1, lse1, pe, partial, qg, M)
+                z, z1, a, E2, rinv2, l2 = _mixture(group, q, srcs, pe, partial, qg, M, want_z1=True)
             else:
-                z = z1
+                z = _z1(group, q, _streams(group, srcs, M), M)
             dz, dfusion = lean.fuse_backward(target, z, dh_BTD.contiguous(), ctx.fsaved)
         dt = dz.dtype
         dqg, ds_p, dws = None, None, []
@@ -214,7 +227,9 @@ class BlockTargetFn(torch.autograd.Function):
         else:
             sd = a.dtype
             D = dz.shape[-1]
-            x = a * (1 - a) * torch.stack([torch.linalg.vecdot(dz[r], z1[r] - E2[r]) for r in range(M)]).to(sd)  # d/d(lse1 - l2)
+            # d/d(lse1 - l2) = a (1 - a) <dz, z1 - E2> (two dot products: no difference tensor)
+            x = a * (1 - a) * torch.stack([torch.linalg.vecdot(dz[r], z1[r]) - torch.linalg.vecdot(dz[r], E2[r]) for r in range(M)]).to(sd)
+            del z1
             group.grads[q] = (dz * a.unsqueeze(-1).to(dt), x)
             a1 = -x * rinv2
             a2 = -a1 * l2 * rinv2 / D
@@ -238,15 +253,23 @@ class BlockTargetFn(torch.autograd.Function):
         return (None, None, None, None, None, dqg, None, *dfusion, *([None] * ctx.n_src), tok_grad, *tail)
 
 
-def _merge(z1, lse1_MN, pe, partial, qg_MD, M: int):
-    """(z, a, E2 streams, rinv2, l2): the online-softmax merge of the partial into phase 1."""
+def _mixture(group: BlockGroup, q: int, srcs, pe, partial, qg_MD, M: int, want_z1: bool):
+    """(z, z1 or None, a, E2 streams, rinv2, l2): target q's phase-1 output z1 merged with its partial
+    by online softmax, ``a = sigmoid(lse1 - l2)``, ``z = a z1 + (1 - a) E2`` (z1 only if ``want_z1``)."""
     streams, rinv = lean._streams_of(pe, partial.detach(), M)
     l2 = lean._logits(streams, rinv, qg_MD)  # M, B, T
-    a = torch.sigmoid(lse1_MN.view_as(l2) - l2)
+    a = torch.sigmoid(group.lse_MQN[:, q].view_as(l2) - l2)
+    streams_S = _streams(group, srcs, M)
+    first = streams[0]
+    if cpu_native.usable(first, a) and all(e.is_contiguous() for e in streams):
+        p = group.p(q)
+        z, z1 = cpu_native.weighted_sum(p, [st for st, _ in streams_S], a.reshape(M, -1), streams, want_z1=want_z1)
+        return z, z1, a, streams, rinv, l2
+    z1 = _z1(group, q, streams_S, M)
     dt = z1.dtype
     E2 = torch.stack(streams) if M > 1 else streams[0].unsqueeze(0)
     z = z1 * a.unsqueeze(-1).to(dt) + E2 * (1 - a).unsqueeze(-1).to(dt)
-    return z, a, E2, rinv, l2
+    return z, (z1 if want_z1 else None), a, list(E2.unbind(0)), rinv, l2
 
 
 def block_group(runtime: lean.Runtime, target, peers: list, sources: list[torch.Tensor], banks, doc_ids_BT, M: int) -> BlockGroup:

@@ -125,7 +125,9 @@ def test_lean_backward_under_checkpointing_frees_each_targets_streams():
             return t.peak - before
 
     plain, ckpt = backward_peak(False), backward_peak(True)
-    assert ckpt < plain, (ckpt, plain)  # 3.31 MB vs 3.42 MB; 16.9 MB checkpointed before the fix
+    # 2.50 MB both with the native CPU loops (the peak is elsewhere), 3.31 MB vs 3.42 MB with the
+    # torch ops; 16.9 MB checkpointed before the fix
+    assert ckpt <= plain, (ckpt, plain)
 
 
 def test_forward_without_backward_keeps_at_most_one_forward_alive():

@@ -1,0 +1,459 @@
+"""Fused CPU loops of the lean torch path (``kernels/lean.py``, ``kernels/lean_block.py``).
+
+On CPU the lean path's cost is not arithmetic but passes over ``[B,T,D]`` tensors: every torch op
+reads and writes whole tensors (a K-tap conv is K multiply-adds over the source, a weighted sum of
+S sources 3S tensor passes). These few loops do the same math in one pass each:
+
+* ``conv_forward``: a source's C conv streams (document-masked) and the sums of squares of all
+  M = C + 1 streams per token (for the key RMS), one read of the source per token row;
+* ``conv_backward``: the transposed conv: the source's gradient and every conv weight's gradient
+  from the streams' gradient, one pass (weight gradients accumulated per thread, then summed in a
+  fixed order: deterministic for a given thread count);
+* ``weighted_sum``: ``z_r = sum_j p[j, r] E_jr`` over S sources for every stream, optionally merged
+  with a partial (``z = a z1 + (1 - a) E2``) and returning z1 too;
+* ``phase1_dots`` / ``phase1_grad``: phase 1's backward for one (source, stream) and Q targets: the
+  dot products ``<dz1_q, E>`` in one read of E, then the stream gradient
+  ``dE = sum_q a1_q qg_q + a2 E + sum_q P_q dz1_q`` and ``dqg_q += sum_n a1_q E`` in one more.
+
+They are plain C (no torch headers: a build takes about a second), compiled on first use with the
+system's C compiler (``$CC``, default ``cc``) and OpenMP into a cache directory
+(``$MSAR_NATIVE_CACHE``, default ``~/.cache/msar_train``), and called through ctypes on tensors'
+data pointers. fp32 and fp64 only, contiguous CPU tensors. Where they do not apply (another device
+or dtype, no compiler, ``MSAR_NATIVE=0``) the lean path runs its torch ops: same math, tested
+against each other in ``tests/unit/test_cpu_native.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+_SRC = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#define DEFINE_KERNELS(T, SUF)                                                                        \
+/* out: C streams [C][B][T][D]; sq: sums of squares [C+1][B][T] (stream 0 = the source). */          \
+void conv_forward_##SUF(const T* restrict s, int64_t B, int64_t TT, int64_t D, int64_t C,             \
+                        const T* const* w, const int64_t* K, const int64_t* doc, T* restrict out,     \
+                        T* restrict sq, int nt) {                                                     \
+  int64_t N = B * TT;                                                                                 \
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")                                        \
+  for (int64_t n = 0; n < N; n++) {                                                                   \
+    int64_t b = n / TT, t = n % TT;                                                                   \
+    const T* x = s + n * D;                                                                           \
+    T acc0 = 0;                                                                                       \
+    _Pragma("omp simd reduction(+:acc0)") for (int64_t d = 0; d < D; d++) acc0 += x[d] * x[d];         \
+    sq[n] = acc0;                                                                                     \
+    for (int64_t c = 0; c < C; c++) {                                                                 \
+      T* y = out + (c * N + n) * D;                                                                   \
+      const T* wc = w[c];                                                                             \
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) y[d] = wc[d] * x[d];                         \
+      for (int64_t k = 1; k < K[c] && k <= t; k++) {                                                  \
+        if (doc && doc[b * TT + t] != doc[b * TT + t - k]) continue;                                  \
+        const T* xs = x - k * D;                                                                      \
+        const T* wk = wc + k * D;                                                                     \
+        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) y[d] += wk[d] * xs[d];                     \
+      }                                                                                               \
+      T acc = 0;                                                                                      \
+      _Pragma("omp simd reduction(+:acc)") for (int64_t d = 0; d < D; d++) acc += y[d] * y[d];         \
+      sq[(c + 1) * N + n] = acc;                                                                      \
+    }                                                                                                 \
+  }                                                                                                   \
+}                                                                                                     \
+/* ds [B][T][D] (overwritten); dw[c] [K_c][D] (overwritten). */                                     \
+void conv_backward_##SUF(const T* restrict s, int64_t B, int64_t TT, int64_t D, int64_t C,            \
+                         const T* const* w, const int64_t* K, const int64_t* doc,                     \
+                         const T* restrict dE, T* restrict ds, T* const* dw, int nt) {               \
+  int64_t N = B * TT, KS = 0;                                                                         \
+  for (int64_t c = 0; c < C; c++) KS += K[c];                                                         \
+  T* part = (T*)calloc((size_t)nt * KS * D, sizeof(T));                                               \
+  _Pragma("omp parallel num_threads(nt)")                                                             \
+  {                                                                                                   \
+    int tid = omp_tid(), nth = omp_nth();                                                             \
+    T* acc = part + (int64_t)tid * KS * D;                                                            \
+    int64_t lo = N * tid / nth, hi = N * (tid + 1) / nth;                                             \
+    for (int64_t n = lo; n < hi; n++) {                                                               \
+      int64_t b = n / TT, t = n % TT;                                                                 \
+      const T* x = s + n * D;                                                                         \
+      T* g = ds + n * D;                                                                              \
+      memset(g, 0, sizeof(T) * D);                                                                    \
+      int64_t off = 0;                                                                                \
+      for (int64_t c = 0; c < C; c++) {                                                               \
+        const T* e = dE + (c * N + n) * D;                                                            \
+        const T* wc = w[c];                                                                           \
+        for (int64_t k = 0; k < K[c]; k++) {                                                          \
+          /* ds[t] += w[k] * dE[t + k] (same document); dw[k] += dE[t] * s[t - k] */                  \
+          if (t + k < TT && !(doc && doc[b * TT + t + k] != doc[b * TT + t])) {                       \
+            const T* ef = e + k * D; const T* wk = wc + k * D;                                        \
+            _Pragma("omp simd") for (int64_t d = 0; d < D; d++) g[d] += wk[d] * ef[d];                 \
+          }                                                                                           \
+          if (k <= t && !(doc && doc[b * TT + t] != doc[b * TT + t - k])) {                           \
+            const T* xs = x - k * D; T* a = acc + (off + k) * D;                                      \
+            _Pragma("omp simd") for (int64_t d = 0; d < D; d++) a[d] += e[d] * xs[d];                  \
+          }                                                                                           \
+        }                                                                                             \
+        off += K[c];                                                                                  \
+      }                                                                                               \
+    }                                                                                                 \
+  }                                                                                                   \
+  int64_t off = 0;                                                                                    \
+  for (int64_t c = 0; c < C; c++) {                                                                   \
+    for (int64_t i = 0; i < K[c] * D; i++) {                                                          \
+      T v = 0;                                                                                        \
+      for (int th = 0; th < nt; th++) v += part[(int64_t)th * KS * D + off * D + i];                  \
+      dw[c][i] = v;                                                                                   \
+    }                                                                                                 \
+    off += K[c];                                                                                      \
+  }                                                                                                   \
+  free(part);                                                                                         \
+}                                                                                                     \
+/* z[r] = sum_j p[j][r] E[j*M + r] (+ merge: z = a z1 + (1 - a) E2[r]); z1 out optional. */          \
+void weighted_sum_##SUF(int64_t S, int64_t M, int64_t N, int64_t D, const T* const* E,                \
+                        const T* restrict p, const T* restrict a, const T* const* E2,                 \
+                        T* restrict z, T* restrict z1, int nt) {                                      \
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")                                        \
+  for (int64_t i = 0; i < M * N; i++) {                                                               \
+    int64_t r = i / N, n = i % N;                                                                     \
+    T* o = (a && z1) ? z1 + i * D : z + i * D;                                                        \
+    T p0 = p[r * N + n];                                                                              \
+    const T* e0 = E[r] + n * D;                                                                       \
+    _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = p0 * e0[d];                             \
+    for (int64_t j = 1; j < S; j++) {                                                                 \
+      T pj = p[(j * M + r) * N + n];                                                                  \
+      const T* ej = E[j * M + r] + n * D;                                                             \
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] += pj * ej[d];                          \
+    }                                                                                                 \
+    if (a) {                                                                                          \
+      T ai = a[i], bi = 1 - a[i];                                                                     \
+      const T* e2 = E2[r] + n * D;                                                                    \
+      T* zo = z + i * D;                                                                              \
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) zo[d] = o[d] * ai + e2[d] * bi;              \
+    }                                                                                                 \
+  }                                                                                                   \
+}                                                                                                     \
+/* Adaptive fusion (kernels/lean.py fuse_forward): z [M][N][D], Wt [M][M*D] (W transposed).    */   \
+void fuse_forward_##SUF(int64_t M, int64_t N, int64_t D, const T* restrict z, const T* restrict Wt,   \
+                        T scale, const T* restrict bias, T eps, T* restrict h, T* restrict H,          \
+                        T* restrict uW, T* restrict rs, int nt) {                                     \
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")                                        \
+  for (int64_t n = 0; n < N; n++) {                                                                   \
+    T sq = 0;                                                                                         \
+    for (int64_t r = 0; r < M; r++) {                                                                 \
+      const T* zr = z + (r * N + n) * D;                                                              \
+      _Pragma("omp simd reduction(+:sq)") for (int64_t d = 0; d < D; d++) sq += zr[d] * zr[d];       \
+    }                                                                                                 \
+    T rn = 1 / sqrt(sq / (T)(M * D) + eps);                                                           \
+    rs[n] = rn;                                                                                       \
+    T* Hn = H + n * M;                                                                                \
+    for (int64_t m = 0; m < M; m++) {                                                                 \
+      T acc = 0;                                                                                      \
+      for (int64_t r = 0; r < M; r++) {                                                               \
+        const T* zr = z + (r * N + n) * D; const T* wr = Wt + m * M * D + r * D;                      \
+        _Pragma("omp simd reduction(+:acc)") for (int64_t d = 0; d < D; d++) acc += zr[d] * wr[d];   \
+      }                                                                                               \
+      T u = acc * rn;                                                                                 \
+      uW[n * M + m] = u;                                                                              \
+      Hn[m] = 1 / (1 + exp(-(scale * u + bias[m])));                                                  \
+    }                                                                                                 \
+    T* o = h + n * D;                                                                                 \
+    const T* z0 = z + n * D;                                                                          \
+    _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = Hn[0] * z0[d];                         \
+    for (int64_t r = 1; r < M; r++) {                                                                 \
+      const T* zr = z + (r * N + n) * D; T hr = Hn[r];                                                \
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] += hr * zr[d];                         \
+    }                                                                                                 \
+  }                                                                                                   \
+}                                                                                                     \
+/* Its backward: dz [M][N][D]; dWt [M][M*D], out3 = (dscale, db[M]) (all overwritten). */            \
+void fuse_backward_##SUF(int64_t M, int64_t N, int64_t D, const T* restrict z, const T* restrict dh,  \
+                         const T* restrict H, const T* restrict uW, const T* restrict rs,             \
+                         const T* restrict Wt, T scale, T* restrict dz, T* restrict dWt,              \
+                         T* restrict out3, int nt) {                                                  \
+  int64_t W = M * M * D + 1 + M;                                                                      \
+  T* part = (T*)calloc((size_t)nt * W, sizeof(T));                                                    \
+  _Pragma("omp parallel num_threads(nt)")                                                             \
+  {                                                                                                   \
+    int tid = omp_tid(), nth = omp_nth();                                                             \
+    T* acc = part + (int64_t)tid * W;                                                                 \
+    T dg[64], t[64];                                                                                  \
+    int64_t lo = N * tid / nth, hi = N * (tid + 1) / nth;                                             \
+    for (int64_t n = lo; n < hi; n++) {                                                               \
+      const T* g = dh + n * D;                                                                        \
+      T c = 0, rn = rs[n];                                                                            \
+      for (int64_t m = 0; m < M; m++) {                                                               \
+        const T* zm = z + (m * N + n) * D;                                                            \
+        T dH = 0;                                                                                     \
+        _Pragma("omp simd reduction(+:dH)") for (int64_t d = 0; d < D; d++) dH += g[d] * zm[d];      \
+        T Hm = H[n * M + m];                                                                          \
+        dg[m] = dH * Hm * (1 - Hm);                                                                   \
+        c += dg[m] * uW[n * M + m];                                                                   \
+        acc[M * M * D + 1 + m] += dg[m];                                                              \
+        t[m] = dg[m] * rn * scale;                                                                    \
+      }                                                                                               \
+      acc[M * M * D] += c;                                                                            \
+      T coef = -rn * rn * c * scale / (T)(M * D);                                                     \
+      for (int64_t r = 0; r < M; r++) {                                                               \
+        const T* zr = z + (r * N + n) * D; T* o = dz + (r * N + n) * D; T hr = H[n * M + r];          \
+        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = g[d] * hr + coef * zr[d];          \
+        for (int64_t m = 0; m < M; m++) {                                                             \
+          const T* wr = Wt + m * M * D + r * D; T* aw = acc + m * M * D + r * D;                      \
+          T tm = t[m], gm = dg[m] * rn;                                                               \
+          _Pragma("omp simd") for (int64_t d = 0; d < D; d++) { o[d] += tm * wr[d]; aw[d] += gm * zr[d]; } \
+        }                                                                                             \
+      }                                                                                               \
+    }                                                                                                 \
+  }                                                                                                   \
+  for (int64_t i = 0; i < W; i++) {                                                                   \
+    T v = 0;                                                                                          \
+    for (int th = 0; th < nt; th++) v += part[(int64_t)th * W + i];                                   \
+    if (i < M * M * D) dWt[i] = v * scale; else out3[i - M * M * D] = v;                              \
+  }                                                                                                   \
+  free(part);                                                                                         \
+}                                                                                                     \
+/* dots[q][n] = <g_q[n], E[n]> */                                                                    \
+void phase1_dots_##SUF(int64_t Q, int64_t N, int64_t D, const T* restrict E, const T* const* g,       \
+                       T* restrict dots, int nt) {                                                    \
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")                                        \
+  for (int64_t n = 0; n < N; n++) {                                                                   \
+    const T* e = E + n * D;                                                                           \
+    for (int64_t q = 0; q < Q; q++) {                                                                 \
+      const T* gq = g[q] + n * D;                                                                     \
+      T acc = 0;                                                                                      \
+      _Pragma("omp simd reduction(+:acc)") for (int64_t d = 0; d < D; d++) acc += gq[d] * e[d];        \
+      dots[q * N + n] = acc;                                                                          \
+    }                                                                                                 \
+  }                                                                                                   \
+}                                                                                                     \
+/* dE[n] = sum_q a1[q][n] qg[q] + a2[n] E[n] + sum_q P[q][n] g_q[n];  dqg[q] += sum_n a1[q][n] E[n] */ \
+void phase1_grad_##SUF(int64_t Q, int64_t N, int64_t D, const T* restrict E, const T* const* g,       \
+                       const T* restrict P, const T* restrict a1, const T* restrict a2,               \
+                       const T* const* qg, T* restrict dE, T* restrict dqg, int nt) {                 \
+  T* part = (T*)calloc((size_t)nt * Q * D, sizeof(T));                                                \
+  _Pragma("omp parallel num_threads(nt)")                                                             \
+  {                                                                                                   \
+    int tid = omp_tid(), nth = omp_nth();                                                             \
+    T* acc = part + (int64_t)tid * Q * D;                                                             \
+    int64_t lo = N * tid / nth, hi = N * (tid + 1) / nth;                                             \
+    for (int64_t n = lo; n < hi; n++) {                                                               \
+      const T* e = E + n * D;                                                                         \
+      T* o = dE + n * D;                                                                              \
+      T c2 = a2[n];                                                                                   \
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = c2 * e[d];                            \
+      for (int64_t q = 0; q < Q; q++) {                                                               \
+        T c1 = a1[q * N + n], pq = P[q * N + n];                                                      \
+        const T* gq = g[q] + n * D; const T* qq = qg[q]; T* aq = acc + q * D;                         \
+        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) { o[d] += c1 * qq[d] + pq * gq[d]; aq[d] += c1 * e[d]; } \
+      }                                                                                               \
+    }                                                                                                 \
+  }                                                                                                   \
+  for (int64_t i = 0; i < Q * D; i++) {                                                               \
+    T v = 0;                                                                                          \
+    for (int th = 0; th < nt; th++) v += part[(int64_t)th * Q * D + i];                               \
+    dqg[i] += v;                                                                                      \
+  }                                                                                                   \
+  free(part);                                                                                         \
+}
+
+#include <omp.h>
+static int omp_tid(void) { return omp_get_thread_num(); }
+static int omp_nth(void) { return omp_get_num_threads(); }
+DEFINE_KERNELS(float, f32)
+DEFINE_KERNELS(double, f64)
+"""
+
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_CTYPE = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
+_lib = None
+_tried = False
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = os.environ.get("CC", "cc")
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm"]
+    tag = hashlib.sha256((_SRC + cc + " ".join(flags)).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("MSAR_NATIVE_CACHE", Path.home() / ".cache" / "msar_train"))
+    so = cache / f"msar_native_{tag}.so"
+    if not so.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            c_file, out = Path(tmp) / "k.c", Path(tmp) / "k.so"
+            c_file.write_text(_SRC)
+            res = subprocess.run([cc, *flags, str(c_file), "-o", str(out)], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"{cc} failed:\n{res.stderr[-2000:]}")
+            os.replace(out, so)  # atomic: concurrent ranks building at once each land a whole file
+    return ctypes.CDLL(str(so))
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (``MSAR_NATIVE=0``, or no working compiler: warned once)."""
+    global _lib, _tried
+    if os.environ.get("MSAR_NATIVE", "1") == "0":
+        return None
+    if not _tried:
+        _tried = True
+        try:
+            _lib = _build()
+        except (OSError, RuntimeError) as exc:
+            warnings.warn(f"msar_train native CPU kernels unavailable, using the torch ops: {exc}", stacklevel=2)
+            _lib = None
+    return _lib
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """True when the native loops apply to these tensors (CPU, fp32/fp64 of one dtype, library built)."""
+    t0 = tensors[0]
+    if t0.device.type != "cpu" or t0.dtype not in _SUFFIX:
+        return False
+    if any(t.device.type != "cpu" or t.dtype != t0.dtype for t in tensors):
+        return False
+    return library() is not None
+
+
+def _ptr(t: torch.Tensor):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _ptrs(ts: list[torch.Tensor]):
+    return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts])
+
+
+def _fn(name: str, dtype: torch.dtype):
+    f = getattr(library(), f"{name}_{_SUFFIX[dtype]}")
+    f.restype = None
+    return f
+
+
+def _nt() -> int:
+    return ctypes.c_int(torch.get_num_threads())
+
+
+def _doc(doc_ids_BT: torch.Tensor | None):
+    if doc_ids_BT is None:
+        return None, ctypes.c_void_p(None)
+    d = doc_ids_BT.to(torch.int64).contiguous()
+    return d, _ptr(d)
+
+
+def conv_forward(s_BTD: torch.Tensor, weights: list[torch.Tensor], doc_ids_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Ec_CBTD, sq_MBT): the C conv streams of ``s_BTD`` and the per-token sums of squares of all
+    M = C + 1 streams (stream 0 the source itself)."""
+    s = s_BTD.contiguous()
+    B, T, D = s.shape
+    C = len(weights)
+    ws = [w.to(s.dtype).contiguous() for w in weights]
+    Ks = (ctypes.c_int64 * C)(*[w.shape[0] for w in ws])
+    out = torch.empty(C, B, T, D, dtype=s.dtype)
+    sq = torch.empty(C + 1, B, T, dtype=s.dtype)
+    keep, doc = _doc(doc_ids_BT)
+    _fn("conv_forward", s.dtype)(_ptr(s), B, T, D, C, _ptrs(ws), Ks, doc, _ptr(out), _ptr(sq), _nt())
+    return out, sq
+
+
+def conv_backward(
+    s_BTD: torch.Tensor, weights: list[torch.Tensor], doc_ids_BT: torch.Tensor | None, dEc_CBTD: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(ds_BTD, [dw_KD per conv stream]) of :func:`conv_forward`'s streams given their gradient."""
+    s = s_BTD.contiguous()
+    dE = dEc_CBTD.to(s.dtype).contiguous()
+    B, T, D = s.shape
+    C = len(weights)
+    ws = [w.to(s.dtype).contiguous() for w in weights]
+    Ks = (ctypes.c_int64 * C)(*[w.shape[0] for w in ws])
+    ds = torch.empty_like(s)
+    dws = [torch.empty_like(w) for w in ws]
+    keep, doc = _doc(doc_ids_BT)
+    _fn("conv_backward", s.dtype)(_ptr(s), B, T, D, C, _ptrs(ws), Ks, doc, _ptr(dE), _ptr(ds), _ptrs(dws), _nt())
+    return ds, [dw.to(w.dtype) for dw, w in zip(dws, weights)]
+
+
+def weighted_sum(
+    p_SMN: torch.Tensor,
+    streams_S: list[list[torch.Tensor]],
+    a_MN: torch.Tensor | None = None,
+    E2: list[torch.Tensor] | None = None,
+    want_z1: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(z_MBTD, z1_MBTD or None): ``z1_r = sum_j p[j, r] streams_S[j][r]``; with ``a_MN`` and the
+    partial's streams ``E2``, ``z = a z1 + (1 - a) E2`` (else z is z1). Streams: contiguous [B,T,D]."""
+    first = streams_S[0][0]
+    B, T, D = first.shape
+    S, M, N = p_SMN.shape
+    dt = first.dtype
+    flat = [e for st in streams_S for e in st]
+    p = p_SMN.to(dt).contiguous()
+    z = torch.empty(M, B, T, D, dtype=dt)
+    z1 = torch.empty(M, B, T, D, dtype=dt) if (a_MN is not None and want_z1) else None
+    null = ctypes.c_void_p(None)
+    if a_MN is None:
+        args = (null, null, _ptr(z), null)
+    else:  # without a z1 buffer the kernel accumulates z1 in z's row, then merges in place
+        a = a_MN.to(dt).contiguous()
+        args = (_ptr(a), _ptrs(E2), _ptr(z), null if z1 is None else _ptr(z1))
+    _fn("weighted_sum", dt)(S, M, N, D, _ptrs(flat), _ptr(p), *args, _nt())
+    return z, z1
+
+
+def phase1_dots(E_ND: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    """``dots [Q, N]``: ``<grads[q][n], E[n]>`` (all contiguous [N, D] of one dtype)."""
+    N, D = E_ND.shape
+    dots = torch.empty(len(grads), N, dtype=E_ND.dtype)
+    _fn("phase1_dots", E_ND.dtype)(len(grads), N, D, _ptr(E_ND), _ptrs(grads), _ptr(dots), _nt())
+    return dots
+
+
+def phase1_grad(
+    E_ND: torch.Tensor,
+    grads: list[torch.Tensor],
+    P_QN: torch.Tensor,
+    a1_QN: torch.Tensor,
+    a2_N: torch.Tensor,
+    qg: list[torch.Tensor],
+    out_ND: torch.Tensor,
+    dqg_QD: torch.Tensor,
+) -> None:
+    """``out = sum_q a1_q qg_q + a2 E + sum_q P_q grads_q`` (written), ``dqg_QD[q] += sum_n a1_q E``."""
+    N, D = E_ND.shape
+    dt = E_ND.dtype
+    P, a1, a2 = P_QN.to(dt).contiguous(), a1_QN.to(dt).contiguous(), a2_N.to(dt).contiguous()
+    qgs = [q.to(dt).contiguous() for q in qg]
+    _fn("phase1_grad", dt)(
+        len(grads), N, D, _ptr(E_ND), _ptrs(grads), _ptr(P), _ptr(a1), _ptr(a2), _ptrs(qgs), _ptr(out_ND), _ptr(dqg_QD), _nt()
+    )
+
+
+def fuse_forward(z_MND: torch.Tensor, weight: torch.Tensor, scale: float, bias: torch.Tensor, eps: float):
+    """(h_ND, H_NM, uW_NM, rs_N) of the adaptive fusion (``lean.fuse_forward``'s math) in one pass."""
+    M, N, D = z_MND.shape
+    dt = z_MND.dtype
+    Wt = weight.to(dt).t().contiguous()
+    b = bias.to(dt).contiguous()
+    h = torch.empty(N, D, dtype=dt)
+    H, uW, rs = torch.empty(N, M, dtype=dt), torch.empty(N, M, dtype=dt), torch.empty(N, dtype=dt)
+    c = _CTYPE[dt]
+    _fn("fuse_forward", dt)(M, N, D, _ptr(z_MND), _ptr(Wt), c(scale), _ptr(b), c(eps), _ptr(h), _ptr(H), _ptr(uW), _ptr(rs), _nt())
+    return h, H, uW, rs
+
+
+def fuse_backward(z_MND, dh_ND, H, uW, rs, weight: torch.Tensor, scale: float):
+    """(dz_MND, dscale [1], dW [M*D, M], db [M]) of :func:`fuse_forward` given ``dh``."""
+    M, N, D = z_MND.shape
+    dt = z_MND.dtype
+    Wt = weight.to(dt).t().contiguous()
+    dz = torch.empty(M, N, D, dtype=dt)
+    dWt = torch.empty(M, M * D, dtype=dt)
+    out3 = torch.empty(1 + M, dtype=dt)
+    _fn("fuse_backward", dt)(
+        M, N, D, _ptr(z_MND), _ptr(dh_ND), _ptr(H), _ptr(uW), _ptr(rs), _ptr(Wt), _CTYPE[dt](scale), _ptr(dz), _ptr(dWt), _ptr(out3), _nt()
+    )
+    return dz, out3[:1], dWt.t(), out3[1:]
