@@ -45,7 +45,8 @@ class BlockGroup:
         self.L_SMQN: torch.Tensor | None = None
         self.lse_MQN: torch.Tensor | None = None
         self.tokens: list[torch.Tensor] | None = None  # per target: an output of Phase1Node
-        self.grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # q -> (dz1_MBTD, dlse_MBT)
+        # q -> (dz_MBTD, dlse_MBT, a_MN): target q's phase-1 output gradient is a * dz (a None: 1)
+        self.grads: dict[int, tuple] = {}
 
     def matches(self, sources: list[torch.Tensor]) -> bool:
         return len(sources) == len(self.s_refs) and all(r() is s for r, s in zip(self.s_refs, sources))
@@ -136,6 +137,10 @@ class Phase1Node(torch.autograd.Function):
                     continue
                 for i, q in enumerate(qs):
                     dots[j, r, i] = torch.linalg.vecdot(grads[q][0][r].reshape(N, D), E).to(sd)
+        # Target q's phase-1 output gradient is a_q * dz_q (a_q: its merge weight; 1 without a partial).
+        A = torch.stack([grads[q][2] if grads[q][2] is not None else torch.ones_like(P[0, :, 0]) for q in qs], 1).to(sd)  # M, Qd, N
+        dots *= A
+        PA = P * A  # the weights of the dz_q terms in the sources' stream gradients
         gsum = (P * dots).sum(0)  # M, Qd, N
         dl = torch.stack([grads[q][1] if grads[q][1] is not None else torch.zeros_like(gsum[:, 0].view(M, B, T)) for q in qs], 1)
         dlogit = P * (dots - gsum + dl.reshape(M, len(qs), N).to(sd))  # S, M, Qd, N
@@ -153,13 +158,13 @@ class Phase1Node(torch.autograd.Function):
                 d = dE[r].view(N, D)
                 if native:  # the stream gradient and the queries' gradient in one pass over E
                     dq = torch.zeros(len(qs), D, dtype=dt)
-                    cpu_native.phase1_grad(E, gl[r], P[j, r], a1, a2, list(QGd[:, r].unbind(0)), d, dq)
+                    cpu_native.phase1_grad(E, gl[r], PA[j, r], a1, a2, list(QGd[:, r].unbind(0)), d, dq)
                     dQG[qs, r] += dq.to(sd)
                     continue
                 torch.mm(a1.t().to(dt), QGd[:, r], out=d)  # key-norm term of every target at once
                 d.addcmul_(a2.unsqueeze(-1).to(dt), E)
                 for i, q in enumerate(qs):
-                    d.addcmul_(P[j, r, i].unsqueeze(-1).to(dt), grads[q][0][r].reshape(N, D))
+                    d.addcmul_(PA[j, r, i].unsqueeze(-1).to(dt), grads[q][0][r].reshape(N, D))
                 dQG[qs, r] += (a1.to(E.dtype) @ E).to(sd)
             ds = dE[0]
             if e.weights:
@@ -216,26 +221,36 @@ class BlockTargetFn(torch.autograd.Function):
         with torch.no_grad():
             if partial is not None:
                 pe = lean.SourceEntry(pw, group.doc_ids_BT, target.eps, (), private=bool(pw))
-                z, z1, a, E2, rinv2, l2 = _mixture(group, q, srcs, pe, partial, qg, M, want_z1=True)
+                z, _, a, E2, rinv2, l2 = _mixture(group, q, srcs, pe, partial, qg, M, want_z1=False)
             else:
                 z = _z1(group, q, _streams(group, srcs, M), M)
             dz, dfusion = lean.fuse_backward(target, z, dh_BTD.contiguous(), ctx.fsaved)
         dt = dz.dtype
         dqg, ds_p, dws = None, None, []
         if partial is None:
-            group.grads[q] = (dz, None)
+            group.grads[q] = (dz, None, None)
         else:
             sd = a.dtype
             D = dz.shape[-1]
-            # d/d(lse1 - l2) = a (1 - a) <dz, z1 - E2> (two dot products: no difference tensor)
-            x = a * (1 - a) * torch.stack([torch.linalg.vecdot(dz[r], z1[r]) - torch.linalg.vecdot(dz[r], E2[r]) for r in range(M)]).to(sd)
-            del z1
-            group.grads[q] = (dz * a.unsqueeze(-1).to(dt), x)
+            # d/d(lse1 - l2) = a (1 - a) <dz, z1 - E2> = (1 - a) <dz, z - E2>, as z - E2 = a (z1 - E2):
+            # z1 is not needed (not recomputed), and no difference tensor is formed.
+            x = (1 - a) * torch.stack([torch.linalg.vecdot(dz[r], z[r]) - torch.linalg.vecdot(dz[r], E2[r]) for r in range(M)]).to(sd)
+            del z
+            # Phase 1's output gradient is a * dz: Phase1Node applies the factor a (no scaled copy here).
+            group.grads[q] = (dz, x, a.reshape(M, -1))
             a1 = -x * rinv2
             a2 = -a1 * l2 * rinv2 / D
             dqg = torch.zeros_like(qg, dtype=sd)
             dE = torch.empty(M, *dz.shape[1:], dtype=dt, device=dz.device)
+            native = cpu_native.usable(dz, a, qg) and dz.is_contiguous() and all(e.is_contiguous() for e in E2)
             for r in range(M):
+                if native:  # dE = (1 - a) dz + a2 E2 + a1 qg and dqg += a1 E2, one pass
+                    N = dz[r].numel() // D
+                    cpu_native.phase1_grad(
+                        E2[r].view(N, D), [dz[r].view(N, D)], (1 - a[r]).view(1, N), a1[r].view(1, N), a2[r].reshape(N), [qg[r]],
+                        dE[r].view(N, D), dqg[r : r + 1],
+                    )  # fmt: skip
+                    continue
                 d = torch.mul(dz[r], (1 - a[r]).unsqueeze(-1).to(dt), out=dE[r])
                 d.addcmul_(a2[r].unsqueeze(-1).to(dt), E2[r])
                 d.view(-1, D).addr_(a1[r].reshape(-1).to(dt), qg[r].to(dt))
