@@ -323,6 +323,7 @@ NATIVE_IO = {
     "phase1_grad": ((6, 7), (7,)),  # out (written), dqg (accumulated: read and written)
     "fuse_forward": ((), ()),
     "fuse_backward": ((), ()),
+    "row_dots": ((), ()),
 }
 
 

@@ -35,241 +35,260 @@ from pathlib import Path
 
 import torch
 
-_SRC = r"""
+_HEADER = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
-
-#define DEFINE_KERNELS(T, SUF)                                                                        \
-/* out: C streams [C][B][T][D]; sq: sums of squares [C+1][B][T] (stream 0 = the source). */          \
-void conv_forward_##SUF(const T* restrict s, int64_t B, int64_t TT, int64_t D, int64_t C,             \
-                        const T* const* w, const int64_t* K, const int64_t* doc, T* restrict out,     \
-                        T* restrict sq, int nt) {                                                     \
-  int64_t N = B * TT;                                                                                 \
-  _Pragma("omp parallel for num_threads(nt) schedule(static)")                                        \
-  for (int64_t n = 0; n < N; n++) {                                                                   \
-    int64_t b = n / TT, t = n % TT;                                                                   \
-    const T* x = s + n * D;                                                                           \
-    T acc0 = 0;                                                                                       \
-    _Pragma("omp simd reduction(+:acc0)") for (int64_t d = 0; d < D; d++) acc0 += x[d] * x[d];         \
-    sq[n] = acc0;                                                                                     \
-    for (int64_t c = 0; c < C; c++) {                                                                 \
-      T* y = out + (c * N + n) * D;                                                                   \
-      const T* wc = w[c];                                                                             \
-      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) y[d] = wc[d] * x[d];                         \
-      for (int64_t k = 1; k < K[c] && k <= t; k++) {                                                  \
-        if (doc && doc[b * TT + t] != doc[b * TT + t - k]) continue;                                  \
-        const T* xs = x - k * D;                                                                      \
-        const T* wk = wc + k * D;                                                                     \
-        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) y[d] += wk[d] * xs[d];                     \
-      }                                                                                               \
-      T acc = 0;                                                                                      \
-      _Pragma("omp simd reduction(+:acc)") for (int64_t d = 0; d < D; d++) acc += y[d] * y[d];         \
-      sq[(c + 1) * N + n] = acc;                                                                      \
-    }                                                                                                 \
-  }                                                                                                   \
-}                                                                                                     \
-/* ds [B][T][D] (overwritten); dw[c] [K_c][D] (overwritten). */                                     \
-void conv_backward_##SUF(const T* restrict s, int64_t B, int64_t TT, int64_t D, int64_t C,            \
-                         const T* const* w, const int64_t* K, const int64_t* doc,                     \
-                         const T* restrict dE, T* restrict ds, T* const* dw, int nt) {               \
-  int64_t N = B * TT, KS = 0;                                                                         \
-  for (int64_t c = 0; c < C; c++) KS += K[c];                                                         \
-  T* part = (T*)calloc((size_t)nt * KS * D, sizeof(T));                                               \
-  _Pragma("omp parallel num_threads(nt)")                                                             \
-  {                                                                                                   \
-    int tid = omp_tid(), nth = omp_nth();                                                             \
-    T* acc = part + (int64_t)tid * KS * D;                                                            \
-    int64_t lo = N * tid / nth, hi = N * (tid + 1) / nth;                                             \
-    for (int64_t n = lo; n < hi; n++) {                                                               \
-      int64_t b = n / TT, t = n % TT;                                                                 \
-      const T* x = s + n * D;                                                                         \
-      T* g = ds + n * D;                                                                              \
-      memset(g, 0, sizeof(T) * D);                                                                    \
-      int64_t off = 0;                                                                                \
-      for (int64_t c = 0; c < C; c++) {                                                               \
-        const T* e = dE + (c * N + n) * D;                                                            \
-        const T* wc = w[c];                                                                           \
-        for (int64_t k = 0; k < K[c]; k++) {                                                          \
-          /* ds[t] += w[k] * dE[t + k] (same document); dw[k] += dE[t] * s[t - k] */                  \
-          if (t + k < TT && !(doc && doc[b * TT + t + k] != doc[b * TT + t])) {                       \
-            const T* ef = e + k * D; const T* wk = wc + k * D;                                        \
-            _Pragma("omp simd") for (int64_t d = 0; d < D; d++) g[d] += wk[d] * ef[d];                 \
-          }                                                                                           \
-          if (k <= t && !(doc && doc[b * TT + t] != doc[b * TT + t - k])) {                           \
-            const T* xs = x - k * D; T* a = acc + (off + k) * D;                                      \
-            _Pragma("omp simd") for (int64_t d = 0; d < D; d++) a[d] += e[d] * xs[d];                  \
-          }                                                                                           \
-        }                                                                                             \
-        off += K[c];                                                                                  \
-      }                                                                                               \
-    }                                                                                                 \
-  }                                                                                                   \
-  int64_t off = 0;                                                                                    \
-  for (int64_t c = 0; c < C; c++) {                                                                   \
-    for (int64_t i = 0; i < K[c] * D; i++) {                                                          \
-      T v = 0;                                                                                        \
-      for (int th = 0; th < nt; th++) v += part[(int64_t)th * KS * D + off * D + i];                  \
-      dw[c][i] = v;                                                                                   \
-    }                                                                                                 \
-    off += K[c];                                                                                      \
-  }                                                                                                   \
-  free(part);                                                                                         \
-}                                                                                                     \
-/* z[r] = sum_j p[j][r] E[j*M + r] (+ merge: z = a z1 + (1 - a) E2[r]); z1 out optional. */          \
-void weighted_sum_##SUF(int64_t S, int64_t M, int64_t N, int64_t D, const T* const* E,                \
-                        const T* restrict p, const T* restrict a, const T* const* E2,                 \
-                        T* restrict z, T* restrict z1, int nt) {                                      \
-  _Pragma("omp parallel for num_threads(nt) schedule(static)")                                        \
-  for (int64_t i = 0; i < M * N; i++) {                                                               \
-    int64_t r = i / N, n = i % N;                                                                     \
-    T* o = (a && z1) ? z1 + i * D : z + i * D;                                                        \
-    T p0 = p[r * N + n];                                                                              \
-    const T* e0 = E[r] + n * D;                                                                       \
-    _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = p0 * e0[d];                             \
-    for (int64_t j = 1; j < S; j++) {                                                                 \
-      T pj = p[(j * M + r) * N + n];                                                                  \
-      const T* ej = E[j * M + r] + n * D;                                                             \
-      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] += pj * ej[d];                          \
-    }                                                                                                 \
-    if (a) {                                                                                          \
-      T ai = a[i], bi = 1 - a[i];                                                                     \
-      const T* e2 = E2[r] + n * D;                                                                    \
-      T* zo = z + i * D;                                                                              \
-      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) zo[d] = o[d] * ai + e2[d] * bi;              \
-    }                                                                                                 \
-  }                                                                                                   \
-}                                                                                                     \
-/* Adaptive fusion (kernels/lean.py fuse_forward): z [M][N][D], Wt [M][M*D] (W transposed).    */   \
-void fuse_forward_##SUF(int64_t M, int64_t N, int64_t D, const T* restrict z, const T* restrict Wt,   \
-                        T scale, const T* restrict bias, T eps, T* restrict h, T* restrict H,          \
-                        T* restrict uW, T* restrict rs, int nt) {                                     \
-  _Pragma("omp parallel for num_threads(nt) schedule(static)")                                        \
-  for (int64_t n = 0; n < N; n++) {                                                                   \
-    T sq = 0;                                                                                         \
-    for (int64_t r = 0; r < M; r++) {                                                                 \
-      const T* zr = z + (r * N + n) * D;                                                              \
-      _Pragma("omp simd reduction(+:sq)") for (int64_t d = 0; d < D; d++) sq += zr[d] * zr[d];       \
-    }                                                                                                 \
-    T rn = 1 / sqrt(sq / (T)(M * D) + eps);                                                           \
-    rs[n] = rn;                                                                                       \
-    T* Hn = H + n * M;                                                                                \
-    for (int64_t m = 0; m < M; m++) {                                                                 \
-      T acc = 0;                                                                                      \
-      for (int64_t r = 0; r < M; r++) {                                                               \
-        const T* zr = z + (r * N + n) * D; const T* wr = Wt + m * M * D + r * D;                      \
-        _Pragma("omp simd reduction(+:acc)") for (int64_t d = 0; d < D; d++) acc += zr[d] * wr[d];   \
-      }                                                                                               \
-      T u = acc * rn;                                                                                 \
-      uW[n * M + m] = u;                                                                              \
-      Hn[m] = 1 / (1 + exp(-(scale * u + bias[m])));                                                  \
-    }                                                                                                 \
-    T* o = h + n * D;                                                                                 \
-    const T* z0 = z + n * D;                                                                          \
-    _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = Hn[0] * z0[d];                         \
-    for (int64_t r = 1; r < M; r++) {                                                                 \
-      const T* zr = z + (r * N + n) * D; T hr = Hn[r];                                                \
-      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] += hr * zr[d];                         \
-    }                                                                                                 \
-  }                                                                                                   \
-}                                                                                                     \
-/* Its backward: dz [M][N][D]; dWt [M][M*D], out3 = (dscale, db[M]) (all overwritten). */            \
-void fuse_backward_##SUF(int64_t M, int64_t N, int64_t D, const T* restrict z, const T* restrict dh,  \
-                         const T* restrict H, const T* restrict uW, const T* restrict rs,             \
-                         const T* restrict Wt, T scale, T* restrict dz, T* restrict dWt,              \
-                         T* restrict out3, int nt) {                                                  \
-  int64_t W = M * M * D + 1 + M;                                                                      \
-  T* part = (T*)calloc((size_t)nt * W, sizeof(T));                                                    \
-  _Pragma("omp parallel num_threads(nt)")                                                             \
-  {                                                                                                   \
-    int tid = omp_tid(), nth = omp_nth();                                                             \
-    T* acc = part + (int64_t)tid * W;                                                                 \
-    T dg[64], t[64];                                                                                  \
-    int64_t lo = N * tid / nth, hi = N * (tid + 1) / nth;                                             \
-    for (int64_t n = lo; n < hi; n++) {                                                               \
-      const T* g = dh + n * D;                                                                        \
-      T c = 0, rn = rs[n];                                                                            \
-      for (int64_t m = 0; m < M; m++) {                                                               \
-        const T* zm = z + (m * N + n) * D;                                                            \
-        T dH = 0;                                                                                     \
-        _Pragma("omp simd reduction(+:dH)") for (int64_t d = 0; d < D; d++) dH += g[d] * zm[d];      \
-        T Hm = H[n * M + m];                                                                          \
-        dg[m] = dH * Hm * (1 - Hm);                                                                   \
-        c += dg[m] * uW[n * M + m];                                                                   \
-        acc[M * M * D + 1 + m] += dg[m];                                                              \
-        t[m] = dg[m] * rn * scale;                                                                    \
-      }                                                                                               \
-      acc[M * M * D] += c;                                                                            \
-      T coef = -rn * rn * c * scale / (T)(M * D);                                                     \
-      for (int64_t r = 0; r < M; r++) {                                                               \
-        const T* zr = z + (r * N + n) * D; T* o = dz + (r * N + n) * D; T hr = H[n * M + r];          \
-        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = g[d] * hr + coef * zr[d];          \
-        for (int64_t m = 0; m < M; m++) {                                                             \
-          const T* wr = Wt + m * M * D + r * D; T* aw = acc + m * M * D + r * D;                      \
-          T tm = t[m], gm = dg[m] * rn;                                                               \
-          _Pragma("omp simd") for (int64_t d = 0; d < D; d++) { o[d] += tm * wr[d]; aw[d] += gm * zr[d]; } \
-        }                                                                                             \
-      }                                                                                               \
-    }                                                                                                 \
-  }                                                                                                   \
-  for (int64_t i = 0; i < W; i++) {                                                                   \
-    T v = 0;                                                                                          \
-    for (int th = 0; th < nt; th++) v += part[(int64_t)th * W + i];                                   \
-    if (i < M * M * D) dWt[i] = v * scale; else out3[i - M * M * D] = v;                              \
-  }                                                                                                   \
-  free(part);                                                                                         \
-}                                                                                                     \
-/* dots[q][n] = <g_q[n], E[n]> */                                                                    \
-void phase1_dots_##SUF(int64_t Q, int64_t N, int64_t D, const T* restrict E, const T* const* g,       \
-                       T* restrict dots, int nt) {                                                    \
-  _Pragma("omp parallel for num_threads(nt) schedule(static)")                                        \
-  for (int64_t n = 0; n < N; n++) {                                                                   \
-    const T* e = E + n * D;                                                                           \
-    for (int64_t q = 0; q < Q; q++) {                                                                 \
-      const T* gq = g[q] + n * D;                                                                     \
-      T acc = 0;                                                                                      \
-      _Pragma("omp simd reduction(+:acc)") for (int64_t d = 0; d < D; d++) acc += gq[d] * e[d];        \
-      dots[q * N + n] = acc;                                                                          \
-    }                                                                                                 \
-  }                                                                                                   \
-}                                                                                                     \
-/* dE[n] = sum_q a1[q][n] qg[q] + a2[n] E[n] + sum_q P[q][n] g_q[n];  dqg[q] += sum_n a1[q][n] E[n] */ \
-void phase1_grad_##SUF(int64_t Q, int64_t N, int64_t D, const T* restrict E, const T* const* g,       \
-                       const T* restrict P, const T* restrict a1, const T* restrict a2,               \
-                       const T* const* qg, T* restrict dE, T* restrict dqg, int nt) {                 \
-  T* part = (T*)calloc((size_t)nt * Q * D, sizeof(T));                                                \
-  _Pragma("omp parallel num_threads(nt)")                                                             \
-  {                                                                                                   \
-    int tid = omp_tid(), nth = omp_nth();                                                             \
-    T* acc = part + (int64_t)tid * Q * D;                                                             \
-    int64_t lo = N * tid / nth, hi = N * (tid + 1) / nth;                                             \
-    for (int64_t n = lo; n < hi; n++) {                                                               \
-      const T* e = E + n * D;                                                                         \
-      T* o = dE + n * D;                                                                              \
-      T c2 = a2[n];                                                                                   \
-      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = c2 * e[d];                            \
-      for (int64_t q = 0; q < Q; q++) {                                                               \
-        T c1 = a1[q * N + n], pq = P[q * N + n];                                                      \
-        const T* gq = g[q] + n * D; const T* qq = qg[q]; T* aq = acc + q * D;                         \
-        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) { o[d] += c1 * qq[d] + pq * gq[d]; aq[d] += c1 * e[d]; } \
-      }                                                                                               \
-    }                                                                                                 \
-  }                                                                                                   \
-  for (int64_t i = 0; i < Q * D; i++) {                                                               \
-    T v = 0;                                                                                          \
-    for (int th = 0; th < nt; th++) v += part[(int64_t)th * Q * D + i];                               \
-    dqg[i] += v;                                                                                      \
-  }                                                                                                   \
-  free(part);                                                                                         \
-}
-
 #include <omp.h>
+
 static int omp_tid(void) { return omp_get_thread_num(); }
 static int omp_nth(void) { return omp_get_num_threads(); }
-DEFINE_KERNELS(float, f32)
-DEFINE_KERNELS(double, f64)
+
 """
+
+# The kernels, written once for ``scalar_t``; ``_SUF`` names the instance (f32, f64).
+_TEMPLATE = r"""
+/* out: C streams [C][B][T][D]; sq: sums of squares [C+1][B][T] (stream 0 = the source). */
+void conv_forward_SUF(const scalar_t* restrict s, int64_t B, int64_t TT, int64_t D, int64_t C,
+                        const scalar_t* const* w, const int64_t* K, const int64_t* doc, scalar_t* restrict out,
+                        scalar_t* restrict sq, int nt) {
+  int64_t N = B * TT;
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")
+  for (int64_t n = 0; n < N; n++) {
+    int64_t b = n / TT, t = n % TT;
+    const scalar_t* x = s + n * D;
+    scalar_t acc0 = 0;
+    _Pragma("omp simd reduction(+:acc0)") for (int64_t d = 0; d < D; d++) acc0 += x[d] * x[d];
+    sq[n] = acc0;
+    for (int64_t c = 0; c < C; c++) {
+      scalar_t* y = out + (c * N + n) * D;
+      const scalar_t* wc = w[c];
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) y[d] = wc[d] * x[d];
+      for (int64_t k = 1; k < K[c] && k <= t; k++) {
+        if (doc && doc[b * TT + t] != doc[b * TT + t - k]) continue;
+        const scalar_t* xs = x - k * D;
+        const scalar_t* wk = wc + k * D;
+        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) y[d] += wk[d] * xs[d];
+      }
+      scalar_t acc = 0;
+      _Pragma("omp simd reduction(+:acc)") for (int64_t d = 0; d < D; d++) acc += y[d] * y[d];
+      sq[(c + 1) * N + n] = acc;
+    }
+  }
+}
+/* ds [B][T][D] (overwritten); dw[c] [K_c][D] (overwritten). */
+void conv_backward_SUF(const scalar_t* restrict s, int64_t B, int64_t TT, int64_t D, int64_t C,
+                         const scalar_t* const* w, const int64_t* K, const int64_t* doc,
+                         const scalar_t* restrict dE, scalar_t* restrict ds, scalar_t* const* dw, int nt) {
+  int64_t N = B * TT, KS = 0;
+  for (int64_t c = 0; c < C; c++) KS += K[c];
+  scalar_t* part = (scalar_t*)calloc((size_t)nt * KS * D, sizeof(scalar_t));
+  _Pragma("omp parallel num_threads(nt)")
+  {
+    int tid = omp_tid(), nth = omp_nth();
+    scalar_t* acc = part + (int64_t)tid * KS * D;
+    int64_t lo = N * tid / nth, hi = N * (tid + 1) / nth;
+    for (int64_t n = lo; n < hi; n++) {
+      int64_t b = n / TT, t = n % TT;
+      const scalar_t* x = s + n * D;
+      scalar_t* g = ds + n * D;
+      memset(g, 0, sizeof(scalar_t) * D);
+      int64_t off = 0;
+      for (int64_t c = 0; c < C; c++) {
+        const scalar_t* e = dE + (c * N + n) * D;
+        const scalar_t* wc = w[c];
+        for (int64_t k = 0; k < K[c]; k++) {
+          /* ds[t] += w[k] * dE[t + k] (same document); dw[k] += dE[t] * s[t - k] */
+          if (t + k < TT && !(doc && doc[b * TT + t + k] != doc[b * TT + t])) {
+            const scalar_t* ef = e + k * D; const scalar_t* wk = wc + k * D;
+            _Pragma("omp simd") for (int64_t d = 0; d < D; d++) g[d] += wk[d] * ef[d];
+          }
+          if (k <= t && !(doc && doc[b * TT + t] != doc[b * TT + t - k])) {
+            const scalar_t* xs = x - k * D; scalar_t* a = acc + (off + k) * D;
+            _Pragma("omp simd") for (int64_t d = 0; d < D; d++) a[d] += e[d] * xs[d];
+          }
+        }
+        off += K[c];
+      }
+    }
+  }
+  int64_t off = 0;
+  for (int64_t c = 0; c < C; c++) {
+    for (int64_t i = 0; i < K[c] * D; i++) {
+      scalar_t v = 0;
+      for (int th = 0; th < nt; th++) v += part[(int64_t)th * KS * D + off * D + i];
+      dw[c][i] = v;
+    }
+    off += K[c];
+  }
+  free(part);
+}
+/* logits[q][n] = <E[n], v_q> for Q vectors (the pseudo-queries), one read of E. */
+void row_dots_SUF(int64_t Q, int64_t N, int64_t D, const scalar_t* restrict E, const scalar_t* restrict V,
+                  scalar_t* restrict out, int nt) {
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")
+  for (int64_t n = 0; n < N; n++) {
+    const scalar_t* e = E + n * D;
+    for (int64_t q = 0; q < Q; q++) {
+      const scalar_t* v = V + q * D;
+      scalar_t acc = 0;
+      _Pragma("omp simd reduction(+:acc)") for (int64_t d = 0; d < D; d++) acc += e[d] * v[d];
+      out[q * N + n] = acc;
+    }
+  }
+}
+
+/* z[r] = sum_j p[j][r] E[j*M + r] (+ merge: z = a z1 + (1 - a) E2[r]); z1 out optional. */
+void weighted_sum_SUF(int64_t S, int64_t M, int64_t N, int64_t D, const scalar_t* const* E,
+                        const scalar_t* restrict p, const scalar_t* restrict a, const scalar_t* const* E2,
+                        scalar_t* restrict z, scalar_t* restrict z1, int nt) {
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")
+  for (int64_t i = 0; i < M * N; i++) {
+    int64_t r = i / N, n = i % N;
+    scalar_t* o = (a && z1) ? z1 + i * D : z + i * D;
+    scalar_t p0 = p[r * N + n];
+    const scalar_t* e0 = E[r] + n * D;
+    _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = p0 * e0[d];
+    for (int64_t j = 1; j < S; j++) {
+      scalar_t pj = p[(j * M + r) * N + n];
+      const scalar_t* ej = E[j * M + r] + n * D;
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] += pj * ej[d];
+    }
+    if (a) {
+      scalar_t ai = a[i], bi = 1 - a[i];
+      const scalar_t* e2 = E2[r] + n * D;
+      scalar_t* zo = z + i * D;
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) zo[d] = o[d] * ai + e2[d] * bi;
+    }
+  }
+}
+/* Adaptive fusion (kernels/lean.py fuse_forward): z [M][N][D], Wt [M][M*D] (W transposed).    */
+void fuse_forward_SUF(int64_t M, int64_t N, int64_t D, const scalar_t* restrict z, const scalar_t* restrict Wt,
+                        scalar_t scale, const scalar_t* restrict bias, scalar_t eps, scalar_t* restrict h, scalar_t* restrict H,
+                        scalar_t* restrict uW, scalar_t* restrict rs, int nt) {
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")
+  for (int64_t n = 0; n < N; n++) {
+    scalar_t sq = 0;
+    for (int64_t r = 0; r < M; r++) {
+      const scalar_t* zr = z + (r * N + n) * D;
+      _Pragma("omp simd reduction(+:sq)") for (int64_t d = 0; d < D; d++) sq += zr[d] * zr[d];
+    }
+    scalar_t rn = 1 / sqrt(sq / (scalar_t)(M * D) + eps);
+    rs[n] = rn;
+    scalar_t* Hn = H + n * M;
+    for (int64_t m = 0; m < M; m++) {
+      scalar_t acc = 0;
+      for (int64_t r = 0; r < M; r++) {
+        const scalar_t* zr = z + (r * N + n) * D; const scalar_t* wr = Wt + m * M * D + r * D;
+        _Pragma("omp simd reduction(+:acc)") for (int64_t d = 0; d < D; d++) acc += zr[d] * wr[d];
+      }
+      scalar_t u = acc * rn;
+      uW[n * M + m] = u;
+      Hn[m] = 1 / (1 + exp(-(scale * u + bias[m])));
+    }
+    scalar_t* o = h + n * D;
+    const scalar_t* z0 = z + n * D;
+    _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = Hn[0] * z0[d];
+    for (int64_t r = 1; r < M; r++) {
+      const scalar_t* zr = z + (r * N + n) * D; scalar_t hr = Hn[r];
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] += hr * zr[d];
+    }
+  }
+}
+/* Its backward: dz [M][N][D]; dWt [M][M*D], out3 = (dscale, db[M]) (all overwritten). */
+void fuse_backward_SUF(int64_t M, int64_t N, int64_t D, const scalar_t* restrict z, const scalar_t* restrict dh,
+                         const scalar_t* restrict H, const scalar_t* restrict uW, const scalar_t* restrict rs,
+                         const scalar_t* restrict Wt, scalar_t scale, scalar_t* restrict dz, scalar_t* restrict dWt,
+                         scalar_t* restrict out3, int nt) {
+  int64_t W = M * M * D + 1 + M;
+  scalar_t* part = (scalar_t*)calloc((size_t)nt * W, sizeof(scalar_t));
+  _Pragma("omp parallel num_threads(nt)")
+  {
+    int tid = omp_tid(), nth = omp_nth();
+    scalar_t* acc = part + (int64_t)tid * W;
+    scalar_t dg[64], t[64];
+    int64_t lo = N * tid / nth, hi = N * (tid + 1) / nth;
+    for (int64_t n = lo; n < hi; n++) {
+      const scalar_t* g = dh + n * D;
+      scalar_t c = 0, rn = rs[n];
+      for (int64_t m = 0; m < M; m++) {
+        const scalar_t* zm = z + (m * N + n) * D;
+        scalar_t dH = 0;
+        _Pragma("omp simd reduction(+:dH)") for (int64_t d = 0; d < D; d++) dH += g[d] * zm[d];
+        scalar_t Hm = H[n * M + m];
+        dg[m] = dH * Hm * (1 - Hm);
+        c += dg[m] * uW[n * M + m];
+        acc[M * M * D + 1 + m] += dg[m];
+        t[m] = dg[m] * rn * scale;
+      }
+      acc[M * M * D] += c;
+      scalar_t coef = -rn * rn * c * scale / (scalar_t)(M * D);
+      for (int64_t r = 0; r < M; r++) {
+        const scalar_t* zr = z + (r * N + n) * D; scalar_t* o = dz + (r * N + n) * D; scalar_t hr = H[n * M + r];
+        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = g[d] * hr + coef * zr[d];
+        for (int64_t m = 0; m < M; m++) {
+          const scalar_t* wr = Wt + m * M * D + r * D; scalar_t* aw = acc + m * M * D + r * D;
+          scalar_t tm = t[m], gm = dg[m] * rn;
+          _Pragma("omp simd") for (int64_t d = 0; d < D; d++) { o[d] += tm * wr[d]; aw[d] += gm * zr[d]; }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < W; i++) {
+    scalar_t v = 0;
+    for (int th = 0; th < nt; th++) v += part[(int64_t)th * W + i];
+    if (i < M * M * D) dWt[i] = v * scale; else out3[i - M * M * D] = v;
+  }
+  free(part);
+}
+/* dots[q][n] = <g_q[n], E[n]> */
+void phase1_dots_SUF(int64_t Q, int64_t N, int64_t D, const scalar_t* restrict E, const scalar_t* const* g,
+                       scalar_t* restrict dots, int nt) {
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")
+  for (int64_t n = 0; n < N; n++) {
+    const scalar_t* e = E + n * D;
+    for (int64_t q = 0; q < Q; q++) {
+      const scalar_t* gq = g[q] + n * D;
+      scalar_t acc = 0;
+      _Pragma("omp simd reduction(+:acc)") for (int64_t d = 0; d < D; d++) acc += gq[d] * e[d];
+      dots[q * N + n] = acc;
+    }
+  }
+}
+/* dE[n] = sum_q a1[q][n] qg[q] + a2[n] E[n] + sum_q P[q][n] g_q[n];  dqg[q] += sum_n a1[q][n] E[n] */
+void phase1_grad_SUF(int64_t Q, int64_t N, int64_t D, const scalar_t* restrict E, const scalar_t* const* g,
+                       const scalar_t* restrict P, const scalar_t* restrict a1, const scalar_t* restrict a2,
+                       const scalar_t* const* qg, scalar_t* restrict dE, scalar_t* restrict dqg, int nt) {
+  scalar_t* part = (scalar_t*)calloc((size_t)nt * Q * D, sizeof(scalar_t));
+  _Pragma("omp parallel num_threads(nt)")
+  {
+    int tid = omp_tid(), nth = omp_nth();
+    scalar_t* acc = part + (int64_t)tid * Q * D;
+    int64_t lo = N * tid / nth, hi = N * (tid + 1) / nth;
+    for (int64_t n = lo; n < hi; n++) {
+      const scalar_t* e = E + n * D;
+      scalar_t* o = dE + n * D;
+      scalar_t c2 = a2[n];
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = c2 * e[d];
+      for (int64_t q = 0; q < Q; q++) {
+        scalar_t c1 = a1[q * N + n], pq = P[q * N + n];
+        const scalar_t* gq = g[q] + n * D; const scalar_t* qq = qg[q]; scalar_t* aq = acc + q * D;
+        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) { o[d] += c1 * qq[d] + pq * gq[d]; aq[d] += c1 * e[d]; }
+      }
+    }
+  }
+  for (int64_t i = 0; i < Q * D; i++) {
+    scalar_t v = 0;
+    for (int th = 0; th < nt; th++) v += part[(int64_t)th * Q * D + i];
+    dqg[i] += v;
+  }
+  free(part);
+}
+
+"""
+
+_SRC = _HEADER + "".join(_TEMPLATE.replace("scalar_t", ct).replace("_SUF", "_" + suf) for ct, suf in (("float", "f32"), ("double", "f64")))
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _CTYPE = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
@@ -318,6 +337,11 @@ def usable(*tensors: torch.Tensor) -> bool:
     if any(t.device.type != "cpu" or t.dtype != t0.dtype for t in tensors):
         return False
     return library() is not None
+
+
+def conv_usable(s_BTD: torch.Tensor, weights: list[torch.Tensor], *more: torch.Tensor) -> bool:
+    """:func:`usable` for a conv expansion (at least one conv stream)."""
+    return bool(weights) and usable(s_BTD, *weights, *more)
 
 
 def _ptr(t: torch.Tensor):
@@ -457,3 +481,12 @@ def fuse_backward(z_MND, dh_ND, H, uW, rs, weight: torch.Tensor, scale: float):
         M, N, D, _ptr(z_MND), _ptr(dh_ND), _ptr(H), _ptr(uW), _ptr(rs), _ptr(Wt), _CTYPE[dt](scale), _ptr(dz), _ptr(dWt), _ptr(out3), _nt()
     )
     return dz, out3[:1], dWt.t(), out3[1:]
+
+
+def row_dots(E_ND: torch.Tensor, V_QD: torch.Tensor) -> torch.Tensor:
+    """``[Q, N]``: ``<E[n], V[q]>`` (the logits of Q pseudo-queries against one stream), one read of E."""
+    N, D = E_ND.shape
+    V = V_QD.to(E_ND.dtype).contiguous()
+    out = torch.empty(V.shape[0], N, dtype=E_ND.dtype)
+    _fn("row_dots", E_ND.dtype)(V.shape[0], N, D, _ptr(E_ND), _ptr(V), _ptr(out), _nt())
+    return out

@@ -49,7 +49,7 @@ def conv_streams_backward(
     """(ds_BTD, [dw_KD per conv stream]) of ``conv_streams`` given the streams' gradient: the transposed
     conv as shifted multiply-adds (``ds[t - delta] += w[delta] * dE[t]``, ``dw[delta] = sum dE[t] s[t - delta]``,
     document-masked like the forward); on CPU ~10x faster than ``aten.convolution_backward``."""
-    if cpu_native.usable(s_BTD, dEc_CBTD, *weights):
+    if cpu_native.conv_usable(s_BTD, weights, dEc_CBTD):
         return cpu_native.conv_backward(s_BTD, weights, doc_ids_BT, dEc_CBTD)
     T = s_BTD.shape[1]
     dt = dEc_CBTD.dtype
@@ -96,7 +96,7 @@ class SourceEntry:
             with torch.no_grad():
                 s = s_BTD.detach()
                 ws = [w.detach() for w in self.weights]
-                if ws and cpu_native.usable(s, *ws):  # streams and their sums of squares in one pass
+                if cpu_native.conv_usable(s, ws):  # streams and their sums of squares in one pass
                     self.Ec_CBTD, sq = cpu_native.conv_forward(s, ws, self.doc_ids_BT)
                     self.rinv_MBT = torch.rsqrt(sq.div_(s.shape[-1]).add_(self.eps))
                     return self.Ec_CBTD, self.rinv_MBT
@@ -181,6 +181,10 @@ def _streams_of(e: SourceEntry, s_BTD: torch.Tensor, M: int) -> tuple[list[torch
 def _logits(streams: list[torch.Tensor], rinv_MBT: torch.Tensor, qg_MD: torch.Tensor) -> torch.Tensor:
     sd = rinv_MBT.dtype
     q = qg_MD.to(streams[0].dtype)
+    if cpu_native.usable(streams[0], q) and all(E.is_contiguous() for E in streams):
+        D = q.shape[-1]
+        L = torch.cat([cpu_native.row_dots(E.view(-1, D), q[r : r + 1]) for r, E in enumerate(streams)])
+        return L.view_as(rinv_MBT).to(sd) * rinv_MBT
     return torch.stack([(E @ q[r]).to(sd) for r, E in enumerate(streams)]) * rinv_MBT
 
 

@@ -94,6 +94,9 @@ class Phase1Node(torch.autograd.Function):
                 per_r = []
                 for r in range(M):
                     E = streams[r].reshape(N, -1)
+                    if cpu_native.usable(E, QG_QMD) and E.is_contiguous():  # all Q logits in one read of E
+                        per_r.append(cpu_native.row_dots(E, QG_QMD[:, r]).to(sd) * rinv_MBT[r].reshape(1, N))
+                        continue
                     per_r.append((E @ QG_QMD[:, r].to(E.dtype).t()).t().to(sd) * rinv_MBT[r].reshape(1, N))
                 rows.append(torch.stack(per_r))  # M, Q, N
             L = torch.stack(rows)  # S, M, Q, N
@@ -146,20 +149,24 @@ class Phase1Node(torch.autograd.Function):
         dlogit = P * (dots - gsum + dl.reshape(M, len(qs), N).to(sd))  # S, M, Qd, N
         QGd = QG[qs].to(dt)  # Qd, M, D
         dQG = torch.zeros(Q, M, D, dtype=sd, device=QG.device)
+        # softmax-backward coefficients of every (source, stream, target) at once
+        R = torch.stack([rinv.reshape(M, N) for _, rinv in streams_S]).unsqueeze(2)  # S, M, 1, N
+        A1 = dlogit * R  # S, M, Qd, N
+        A2 = (-(A1 * L[:, :, qs]) * R / D).sum(2)  # S, M, N
+        if native:
+            dQG_r = torch.zeros(M, len(qs), D, dtype=dt)  # per stream: contiguous [Qd, D] accumulators
+            qg_rows = [list(QGd[:, r].unbind(0)) for r in range(M)]
         out: list = []
-        for j, ((streams, rinv), e, s) in enumerate(zip(streams_S, group.entries, srcs)):
+        for j, ((streams, _), e, s) in enumerate(zip(streams_S, group.entries, srcs)):
             dE = [torch.empty(B, T, D, dtype=dt, device=first.device)]
             if M > 1:
                 dE += list(torch.empty(M - 1, B, T, D, dtype=dt, device=first.device).unbind(0))
             for r in range(M):
                 E = streams[r].reshape(N, D)
-                a1 = dlogit[j, r] * rinv[r].reshape(1, N)  # Qd, N
-                a2 = (-(a1 * L[j, r, qs]) * rinv[r].reshape(1, N) / D).sum(0)  # N
+                a1, a2 = A1[j, r], A2[j, r]  # Qd, N and N
                 d = dE[r].view(N, D)
                 if native:  # the stream gradient and the queries' gradient in one pass over E
-                    dq = torch.zeros(len(qs), D, dtype=dt)
-                    cpu_native.phase1_grad(E, gl[r], PA[j, r], a1, a2, list(QGd[:, r].unbind(0)), d, dq)
-                    dQG[qs, r] += dq.to(sd)
+                    cpu_native.phase1_grad(E, gl[r], PA[j, r], a1, a2, qg_rows[r], d, dQG_r[r])
                     continue
                 torch.mm(a1.t().to(dt), QGd[:, r], out=d)  # key-norm term of every target at once
                 d.addcmul_(a2.unsqueeze(-1).to(dt), E)
@@ -178,6 +185,8 @@ class Phase1Node(torch.autograd.Function):
                 e.release()
             del dE
             out += [ds.to(s.dtype), None if e.tok is None else e.tok.new_zeros(0)]
+        if native:
+            dQG[qs] += dQG_r.transpose(0, 1).to(sd)
         dqgs = [dQG[q].to(ctx.qg_dtype) if q in grads else None for q in range(Q)]
         return (None, None, None, *dqgs, *out)
 
@@ -234,7 +243,13 @@ class BlockTargetFn(torch.autograd.Function):
             D = dz.shape[-1]
             # d/d(lse1 - l2) = a (1 - a) <dz, z1 - E2> = (1 - a) <dz, z - E2>, as z - E2 = a (z1 - E2):
             # z1 is not needed (not recomputed), and no difference tensor is formed.
-            x = (1 - a) * torch.stack([torch.linalg.vecdot(dz[r], z[r]) - torch.linalg.vecdot(dz[r], E2[r]) for r in range(M)]).to(sd)
+            native = cpu_native.usable(dz, z, a, qg) and dz.is_contiguous() and z.is_contiguous() and all(e.is_contiguous() for e in E2)
+            if native:  # both dot products in one read of dz
+                N = a[0].numel()
+                dd = [cpu_native.phase1_dots(dz[r].view(N, D), [z[r].view(N, D), E2[r].view(N, D)]) for r in range(M)]
+                x = (1 - a) * torch.stack([(v[0] - v[1]).view_as(a[0]) for v in dd]).to(sd)
+            else:
+                x = (1 - a) * torch.stack([torch.linalg.vecdot(dz[r], z[r]) - torch.linalg.vecdot(dz[r], E2[r]) for r in range(M)]).to(sd)
             del z
             # Phase 1's output gradient is a * dz: Phase1Node applies the factor a (no scaled copy here).
             group.grads[q] = (dz, x, a.reshape(M, -1))
@@ -242,7 +257,6 @@ class BlockTargetFn(torch.autograd.Function):
             a2 = -a1 * l2 * rinv2 / D
             dqg = torch.zeros_like(qg, dtype=sd)
             dE = torch.empty(M, *dz.shape[1:], dtype=dt, device=dz.device)
-            native = cpu_native.usable(dz, a, qg) and dz.is_contiguous() and all(e.is_contiguous() for e in E2)
             for r in range(M):
                 if native:  # dE = (1 - a) dz + a2 E2 + a1 qg and dqg += a1 E2, one pass
                     N = dz[r].numel() // D

@@ -155,11 +155,20 @@ def test_model_step_matches_torch_ops(res, torch_ops, monkeypatch):
     doc = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
     pos = torch.stack([torch.tensor(list(range(4)) + list(range(5))), torch.arange(9)])
     calls = []
-    for name in ("conv_forward", "conv_backward", "weighted_sum", "phase1_dots", "phase1_grad", "fuse_forward", "fuse_backward"):
+    for name in (
+        "conv_forward",
+        "conv_backward",
+        "weighted_sum",
+        "phase1_dots",
+        "phase1_grad",
+        "fuse_forward",
+        "fuse_backward",
+        "row_dots",
+    ):
         f = getattr(cpu_native, name)
         monkeypatch.setattr(cpu_native, name, lambda *a, _f=f, _n=name, **k: calls.append(_n) or _f(*a, **k))
     l1, g1 = _step(m, x, doc, pos)
-    expected = {"weighted_sum", "phase1_dots", "phase1_grad"}
+    expected = {"weighted_sum", "phase1_dots", "phase1_grad", "row_dots"}
     expected |= {"conv_forward", "conv_backward"} if res["name"] == "msar" else set()
     expected |= {"fuse_forward", "fuse_backward"} if res["name"] == "msar" and res.get("fusion") != "mean" else set()
     assert expected <= set(calls), set(calls)  # the native loops did run
@@ -190,3 +199,10 @@ def test_usable_refuses_other_dtypes_and_mixed():
     assert cpu_native.usable(s)
     assert not cpu_native.usable(s.bfloat16())
     assert not cpu_native.usable(s, s.double())
+
+
+@pytest.mark.parametrize("dt", [torch.float64, torch.float32])
+def test_row_dots(dt):
+    g = torch.Generator().manual_seed(4)
+    E, V = torch.randn(13, 20, dtype=dt, generator=g), torch.randn(3, 20, dtype=dt, generator=g)
+    _close(cpu_native.row_dots(E, V), V @ E.t(), dt)
