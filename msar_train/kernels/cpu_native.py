@@ -256,10 +256,10 @@ void phase1_dots_SUF(int64_t Q, int64_t N, int64_t D, const scalar_t* restrict E
     }
   }
 }
-/* dE[n] = sum_q a1[q][n] qg[q] + a2[n] E[n] + sum_q P[q][n] g_q[n];  dqg[q] += sum_n a1[q][n] E[n] */
+/* dE[n] (= or +=, accumulate) sum_q a1[q][n] qg[q] + a2[n] E[n] + sum_q P[q][n] g_q[n];  dqg[q] += sum_n a1[q][n] E[n] */
 void phase1_grad_SUF(int64_t Q, int64_t N, int64_t D, const scalar_t* restrict E, const scalar_t* const* g,
                        const scalar_t* restrict P, const scalar_t* restrict a1, const scalar_t* restrict a2,
-                       const scalar_t* const* qg, scalar_t* restrict dE, scalar_t* restrict dqg, int nt) {
+                       const scalar_t* const* qg, scalar_t* restrict dE, scalar_t* restrict dqg, int accumulate, int nt) {
   scalar_t* part = (scalar_t*)calloc((size_t)nt * Q * D, sizeof(scalar_t));
   _Pragma("omp parallel num_threads(nt)")
   {
@@ -270,7 +270,11 @@ void phase1_grad_SUF(int64_t Q, int64_t N, int64_t D, const scalar_t* restrict E
       const scalar_t* e = E + n * D;
       scalar_t* o = dE + n * D;
       scalar_t c2 = a2[n];
-      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = c2 * e[d];
+      if (accumulate) {
+        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] += c2 * e[d];
+      } else {
+        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = c2 * e[d];
+      }
       for (int64_t q = 0; q < Q; q++) {
         scalar_t c1 = a1[q * N + n], pq = P[q * N + n];
         const scalar_t* gq = g[q] + n * D; const scalar_t* qq = qg[q]; scalar_t* aq = acc + q * D;
@@ -445,14 +449,28 @@ def phase1_grad(
     qg: list[torch.Tensor],
     out_ND: torch.Tensor,
     dqg_QD: torch.Tensor,
+    accumulate: bool = False,
 ) -> None:
-    """``out = sum_q a1_q qg_q + a2 E + sum_q P_q grads_q`` (written), ``dqg_QD[q] += sum_n a1_q E``."""
+    """``out = sum_q a1_q qg_q + a2 E + sum_q P_q grads_q`` (written; added to ``out`` with
+    ``accumulate``), ``dqg_QD[q] += sum_n a1_q E``."""
     N, D = E_ND.shape
     dt = E_ND.dtype
     P, a1, a2 = P_QN.to(dt).contiguous(), a1_QN.to(dt).contiguous(), a2_N.to(dt).contiguous()
     qgs = [q.to(dt).contiguous() for q in qg]
     _fn("phase1_grad", dt)(
-        len(grads), N, D, _ptr(E_ND), _ptrs(grads), _ptr(P), _ptr(a1), _ptr(a2), _ptrs(qgs), _ptr(out_ND), _ptr(dqg_QD), _nt()
+        len(grads),
+        N,
+        D,
+        _ptr(E_ND),
+        _ptrs(grads),
+        _ptr(P),
+        _ptr(a1),
+        _ptr(a2),
+        _ptrs(qgs),
+        _ptr(out_ND),
+        _ptr(dqg_QD),
+        int(accumulate),
+        _nt(),
     )
 
 

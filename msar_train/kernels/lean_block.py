@@ -159,22 +159,33 @@ class Phase1Node(torch.autograd.Function):
         out: list = []
         for j, ((streams, _), e, s) in enumerate(zip(streams_S, group.entries, srcs)):
             dE = [torch.empty(B, T, D, dtype=dt, device=first.device)]
-            if M > 1:
+            # Native: the conv streams' gradients are added straight into the sink's buffer when an
+            # earlier block left one, and expansion 'none' sums its M identical streams in dE[0].
+            into_sink = native and e.weights and e.tok is not None and e.dEc_CBTD is not None
+            if M > 1 and not into_sink and not (native and not e.weights):
                 dE += list(torch.empty(M - 1, B, T, D, dtype=dt, device=first.device).unbind(0))
             for r in range(M):
                 E = streams[r].reshape(N, D)
                 a1, a2 = A1[j, r], A2[j, r]  # Qd, N and N
-                d = dE[r].view(N, D)
                 if native:  # the stream gradient and the queries' gradient in one pass over E
-                    cpu_native.phase1_grad(E, gl[r], PA[j, r], a1, a2, qg_rows[r], d, dQG_r[r])
+                    if r == 0 or not (into_sink or not e.weights):
+                        d, acc = dE[r].view(N, D), False
+                    elif into_sink:
+                        d, acc = e.dEc_CBTD[r - 1].view(N, D), True
+                    else:
+                        d, acc = dE[0].view(N, D), True
+                    cpu_native.phase1_grad(E, gl[r], PA[j, r], a1, a2, qg_rows[r], d, dQG_r[r], accumulate=acc)
                     continue
+                d = dE[r].view(N, D)
                 torch.mm(a1.t().to(dt), QGd[:, r], out=d)  # key-norm term of every target at once
                 d.addcmul_(a2.unsqueeze(-1).to(dt), E)
                 for i, q in enumerate(qs):
                     d.addcmul_(PA[j, r, i].unsqueeze(-1).to(dt), grads[q][0][r].reshape(N, D))
                 dQG[qs, r] += (a1.to(E.dtype) @ E).to(sd)
             ds = dE[0]
-            if e.weights:
+            if into_sink or (native and not e.weights):
+                pass  # already in the sink's buffer / summed in dE[0]
+            elif e.weights:
                 dEc = dE[1]._base
                 if e.tok is not None:
                     e.dEc_CBTD = dEc if e.dEc_CBTD is None else e.dEc_CBTD.add_(dEc)

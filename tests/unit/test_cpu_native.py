@@ -105,6 +105,10 @@ def test_phase1_dots_and_grad(dt):
     ref = a1.t() @ torch.stack(qg) + a2[:, None] * E + sum(P[q][:, None] * grads[q] for q in range(Q))
     _close(out, ref, dt)
     _close(dqg, 1 + a1 @ E, dt)  # accumulated into dqg
+    prev = torch.randn(N, D, dtype=dt, generator=g)
+    out = prev.clone()
+    cpu_native.phase1_grad(E, grads, P, a1, a2, qg, out, dqg, accumulate=True)
+    _close(out, prev + ref, dt)
 
 
 @pytest.mark.parametrize("dt", [torch.float64, torch.float32])
@@ -144,6 +148,7 @@ def _step(m, x, doc, pos):
         dict(name="msar", n_blocks=None),
         dict(name="attnres", n_blocks=2),
         dict(name="msar", n_blocks=2, fusion="mean"),
+        dict(name="msar", n_blocks=2, expansion="none"),
     ],
 )
 def test_model_step_matches_torch_ops(res, torch_ops, monkeypatch):
@@ -169,7 +174,7 @@ def test_model_step_matches_torch_ops(res, torch_ops, monkeypatch):
         monkeypatch.setattr(cpu_native, name, lambda *a, _f=f, _n=name, **k: calls.append(_n) or _f(*a, **k))
     l1, g1 = _step(m, x, doc, pos)
     expected = {"weighted_sum", "phase1_dots", "phase1_grad", "row_dots"}
-    expected |= {"conv_forward", "conv_backward"} if res["name"] == "msar" else set()
+    expected |= {"conv_forward", "conv_backward"} if res["name"] == "msar" and res.get("expansion") != "none" else set()
     expected |= {"fuse_forward", "fuse_backward"} if res["name"] == "msar" and res.get("fusion") != "mean" else set()
     assert expected <= set(calls), set(calls)  # the native loops did run
     torch_ops()
