@@ -242,6 +242,151 @@ void fuse_backward_SUF(int64_t M, int64_t N, int64_t D, const scalar_t* restrict
   }
   free(part);
 }
+/* Sinkhorn of N blocks of n x n (mHC's Hres): y = exp(x - max) normalised iters times by rows, then
+   columns. Each normalisation's output (but the last, which is y) goes to sm [2 iters - 1][N][n n] and
+   its sums to ss [2 iters][N][n]: what the backward reads. */
+void sinkhorn_forward_SUF(int64_t N, int64_t n, int64_t iters, const scalar_t* restrict x, scalar_t* restrict y,
+                          scalar_t* restrict sm, scalar_t* restrict ss, int nt) {
+  int64_t nn = n * n, last = 2 * iters - 1;
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")
+  for (int64_t t = 0; t < N; t++) {
+    const scalar_t* xt = x + t * nn;
+    scalar_t* m = y + t * nn;
+    scalar_t mx = xt[0];
+    for (int64_t i = 1; i < nn; i++) mx = xt[i] > mx ? xt[i] : mx;
+    for (int64_t i = 0; i < nn; i++) m[i] = exp(xt[i] - mx);
+    for (int64_t step = 0; step <= last; step++) {
+      scalar_t* sv = ss + (step * N + t) * n;
+      if (step % 2 == 0) {  /* rows */
+        for (int64_t i = 0; i < n; i++) {
+          scalar_t a = 0;
+          for (int64_t j = 0; j < n; j++) a += m[i * n + j];
+          sv[i] = a;
+          for (int64_t j = 0; j < n; j++) m[i * n + j] /= a;
+        }
+      } else {  /* columns */
+        for (int64_t j = 0; j < n; j++) {
+          scalar_t a = 0;
+          for (int64_t i = 0; i < n; i++) a += m[i * n + j];
+          sv[j] = a;
+          for (int64_t i = 0; i < n; i++) m[i * n + j] /= a;
+        }
+      }
+      if (step < last) memcpy(sm + (step * N + t) * nn, m, sizeof(scalar_t) * nn);
+    }
+  }
+}
+/* Its backward: each normalisation y = m / sum(m) has dm = (dy - sum(dy * y)) / sum(m); through
+   m0 = exp(x - max): dx = dm0 * m0, m0 = y_0 * s_0 (n <= 32). */
+void sinkhorn_backward_SUF(int64_t N, int64_t n, int64_t iters, const scalar_t* restrict y, const scalar_t* restrict sm,
+                           const scalar_t* restrict ss, const scalar_t* restrict dy, scalar_t* restrict dx, int nt) {
+  int64_t nn = n * n, last = 2 * iters - 1;
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")
+  for (int64_t t = 0; t < N; t++) {
+    scalar_t g[1024];
+    memcpy(g, dy + t * nn, sizeof(scalar_t) * nn);
+    for (int64_t step = last; step >= 0; step--) {
+      const scalar_t* yv = step == last ? y + t * nn : sm + (step * N + t) * nn;
+      const scalar_t* sv = ss + (step * N + t) * n;
+      if (step % 2 == 0) {
+        for (int64_t i = 0; i < n; i++) {
+          scalar_t c = 0;
+          for (int64_t j = 0; j < n; j++) c += g[i * n + j] * yv[i * n + j];
+          for (int64_t j = 0; j < n; j++) g[i * n + j] = (g[i * n + j] - c) / sv[i];
+        }
+      } else {
+        for (int64_t j = 0; j < n; j++) {
+          scalar_t c = 0;
+          for (int64_t i = 0; i < n; i++) c += g[i * n + j] * yv[i * n + j];
+          for (int64_t i = 0; i < n; i++) g[i * n + j] = (g[i * n + j] - c) / sv[j];
+        }
+      }
+    }
+    const scalar_t* y0 = last == 0 ? y + t * nn : sm + t * nn;
+    const scalar_t* s0 = ss + t * n;
+    for (int64_t i = 0; i < n; i++)
+      for (int64_t j = 0; j < n; j++) dx[t * nn + i * n + j] = g[i * n + j] * (y0[i * n + j] * s0[i]);
+  }
+}
+/* mHC's stream mixing per token (x [N][n][D]): premix f_in = sum_i hpre_i x_i; postmix
+   out_i = sum_j hres_ij x_j + hpost_i f; their backwards. */
+void premix_forward_SUF(int64_t N, int64_t n, int64_t D, const scalar_t* restrict x, const scalar_t* restrict hp,
+                        scalar_t* restrict out, int nt) {
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")
+  for (int64_t t = 0; t < N; t++) {
+    scalar_t* o = out + t * D;
+    const scalar_t* xt = x + t * n * D;
+    scalar_t h0 = hp[t * n];
+    _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = h0 * xt[d];
+    for (int64_t i = 1; i < n; i++) {
+      scalar_t hi = hp[t * n + i]; const scalar_t* xi = xt + i * D;
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] += hi * xi[d];
+    }
+  }
+}
+void premix_backward_SUF(int64_t N, int64_t n, int64_t D, const scalar_t* restrict x, const scalar_t* restrict hp,
+                         const scalar_t* restrict g, scalar_t* restrict dx, scalar_t* restrict dhp, int nt) {
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")
+  for (int64_t t = 0; t < N; t++) {
+    const scalar_t* gt = g + t * D;
+    for (int64_t i = 0; i < n; i++) {
+      const scalar_t* xi = x + (t * n + i) * D; scalar_t* di = dx + (t * n + i) * D;
+      scalar_t hi = hp[t * n + i], a = 0;
+      _Pragma("omp simd reduction(+:a)") for (int64_t d = 0; d < D; d++) { a += gt[d] * xi[d]; di[d] = hi * gt[d]; }
+      dhp[t * n + i] = a;
+    }
+  }
+}
+void postmix_forward_SUF(int64_t N, int64_t n, int64_t D, const scalar_t* restrict x, const scalar_t* restrict hr,
+                         const scalar_t* restrict hq, const scalar_t* restrict f, scalar_t* restrict out, int nt) {
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")
+  for (int64_t t = 0; t < N; t++) {
+    const scalar_t* xt = x + t * n * D; const scalar_t* ft = f + t * D;
+    for (int64_t i = 0; i < n; i++) {
+      scalar_t* o = out + (t * n + i) * D;
+      scalar_t q = hq[t * n + i];
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = q * ft[d];
+      for (int64_t j = 0; j < n; j++) {
+        scalar_t h = hr[(t * n + i) * n + j]; const scalar_t* xj = xt + j * D;
+        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] += h * xj[d];
+      }
+    }
+  }
+}
+void postmix_backward_SUF(int64_t N, int64_t n, int64_t D, const scalar_t* restrict x, const scalar_t* restrict hr,
+                          const scalar_t* restrict hq, const scalar_t* restrict f, const scalar_t* restrict g,
+                          scalar_t* restrict dx, scalar_t* restrict dhr, scalar_t* restrict dhq, scalar_t* restrict df,
+                          int nt) {
+  _Pragma("omp parallel for num_threads(nt) schedule(static)")
+  for (int64_t t = 0; t < N; t++) {
+    const scalar_t* xt = x + t * n * D; const scalar_t* ft = f + t * D; const scalar_t* gt = g + t * n * D;
+    scalar_t* dft = df + t * D;
+    for (int64_t i = 0; i < n; i++) {  /* dhq_i = <g_i, f>, df = sum_i hq_i g_i, dhr_ij = <g_i, x_j> */
+      const scalar_t* gi = gt + i * D;
+      scalar_t q = hq[t * n + i], a = 0;
+      if (i == 0) {
+        _Pragma("omp simd reduction(+:a)") for (int64_t d = 0; d < D; d++) { a += gi[d] * ft[d]; dft[d] = q * gi[d]; }
+      } else {
+        _Pragma("omp simd reduction(+:a)") for (int64_t d = 0; d < D; d++) { a += gi[d] * ft[d]; dft[d] += q * gi[d]; }
+      }
+      dhq[t * n + i] = a;
+      for (int64_t j = 0; j < n; j++) {
+        const scalar_t* xj = xt + j * D; scalar_t b = 0;
+        _Pragma("omp simd reduction(+:b)") for (int64_t d = 0; d < D; d++) b += gi[d] * xj[d];
+        dhr[(t * n + i) * n + j] = b;
+      }
+    }
+    for (int64_t j = 0; j < n; j++) {  /* dx_j = sum_i hr_ij g_i */
+      scalar_t* dj = dx + (t * n + j) * D;
+      scalar_t h0 = hr[(t * n) * n + j];
+      _Pragma("omp simd") for (int64_t d = 0; d < D; d++) dj[d] = h0 * gt[d];
+      for (int64_t i = 1; i < n; i++) {
+        scalar_t h = hr[(t * n + i) * n + j]; const scalar_t* gi = gt + i * D;
+        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) dj[d] += h * gi[d];
+      }
+    }
+  }
+}
 /* dots[q][n] = <g_q[n], E[n]> */
 void phase1_dots_SUF(int64_t Q, int64_t N, int64_t D, const scalar_t* restrict E, const scalar_t* const* g,
                        scalar_t* restrict dots, int nt) {
@@ -508,3 +653,72 @@ def row_dots(E_ND: torch.Tensor, V_QD: torch.Tensor) -> torch.Tensor:
     out = torch.empty(V.shape[0], N, dtype=E_ND.dtype)
     _fn("row_dots", E_ND.dtype)(V.shape[0], N, D, _ptr(E_ND), _ptr(V), _ptr(out), _nt())
     return out
+
+
+def sinkhorn_forward(x_BTNN: torch.Tensor, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, sm, ss): mHC's Sinkhorn (``residual/mhc.py``) of contiguous ``[..., n, n]`` blocks, n <= 32,
+    iters >= 1; ``sm`` / ``ss`` hold each normalisation's output (but the last: y) and sums."""
+    n = x_BTNN.shape[-1]
+    N = x_BTNN.numel() // (n * n)
+    dt = x_BTNN.dtype
+    y = torch.empty_like(x_BTNN)
+    sm = torch.empty(2 * iters - 1, N, n * n, dtype=dt)
+    ss = torch.empty(2 * iters, N, n, dtype=dt)
+    _fn("sinkhorn_forward", dt)(N, n, iters, _ptr(x_BTNN), _ptr(y), _ptr(sm), _ptr(ss), _nt())
+    return y, sm, ss
+
+
+def sinkhorn_backward(y: torch.Tensor, sm: torch.Tensor, ss: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The logits' gradient of :func:`sinkhorn_forward` given ``dy`` (same shape as y)."""
+    n = y.shape[-1]
+    N = y.numel() // (n * n)
+    iters = ss.shape[0] // 2
+    dy = dy.to(y.dtype).contiguous()
+    dx = torch.empty_like(y)
+    _fn("sinkhorn_backward", y.dtype)(N, n, iters, _ptr(y), _ptr(sm), _ptr(ss), _ptr(dy), _ptr(dx), _nt())
+    return dx
+
+
+def premix(x_BTND: torch.Tensor, h_BTN: torch.Tensor) -> torch.Tensor:
+    """``sum_i h[..., i] x[..., i, :]`` per token (mHC's branch input)."""
+    B, T, n, D = x_BTND.shape
+    out = torch.empty(B, T, D, dtype=x_BTND.dtype)
+    _fn("premix_forward", x_BTND.dtype)(B * T, n, D, _ptr(x_BTND), _ptr(h_BTN), _ptr(out), _nt())
+    return out
+
+
+def premix_backward(x_BTND, h_BTN, g_BTD) -> tuple[torch.Tensor, torch.Tensor]:
+    B, T, n, D = x_BTND.shape
+    dx, dh = torch.empty_like(x_BTND), torch.empty_like(h_BTN)
+    _fn("premix_backward", x_BTND.dtype)(B * T, n, D, _ptr(x_BTND), _ptr(h_BTN), _ptr(g_BTD), _ptr(dx), _ptr(dh), _nt())
+    return dx, dh
+
+
+def postmix(x_BTND, hres_BTNN, hpost_BTN, f_BTD) -> torch.Tensor:
+    """``hres @ x + hpost f`` per token (mHC's new streams)."""
+    B, T, n, D = x_BTND.shape
+    out = torch.empty_like(x_BTND)
+    _fn("postmix_forward", x_BTND.dtype)(B * T, n, D, _ptr(x_BTND), _ptr(hres_BTNN), _ptr(hpost_BTN), _ptr(f_BTD), _ptr(out), _nt())
+    return out
+
+
+def postmix_backward(x_BTND, hres_BTNN, hpost_BTN, f_BTD, g_BTND):
+    """(dx, dhres, dhpost, df) of :func:`postmix`."""
+    B, T, n, D = x_BTND.shape
+    dx, dhr, dhq, df = torch.empty_like(x_BTND), torch.empty_like(hres_BTNN), torch.empty_like(hpost_BTN), torch.empty_like(f_BTD)
+    _fn("postmix_backward", x_BTND.dtype)(
+        B * T,
+        n,
+        D,
+        _ptr(x_BTND),
+        _ptr(hres_BTNN),
+        _ptr(hpost_BTN),
+        _ptr(f_BTD),
+        _ptr(g_BTND),
+        _ptr(dx),
+        _ptr(dhr),
+        _ptr(dhq),
+        _ptr(df),
+        _nt(),
+    )
+    return dx, dhr, dhq, df

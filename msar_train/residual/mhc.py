@@ -18,6 +18,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from msar_train.init_tags import tag_init
+from msar_train.kernels import cpu_native
 from msar_train.residual.base import Branch, ResidualBackend, ResidualSite, SeqContext, State, register
 
 
@@ -29,6 +30,11 @@ class _Sinkhorn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_BTNN, iters: int):
+        ctx.native = x_BTNN.shape[-1] <= 32 and x_BTNN.is_contiguous() and cpu_native.usable(x_BTNN)
+        if ctx.native:  # the same steps in one pass per token; saves the same values
+            y, sm, ss = cpu_native.sinkhorn_forward(x_BTNN, iters)
+            ctx.save_for_backward(y, sm, ss)
+            return y
         m = torch.exp(x_BTNN - x_BTNN.amax(dim=(-1, -2), keepdim=True))  # a global scale does not change the result
         saved = []
         for _ in range(iters):
@@ -42,6 +48,8 @@ class _Sinkhorn(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # a second backward would miss the saved steps' dependence on x: refused
     def backward(ctx, dy):
+        if ctx.native:
+            return cpu_native.sinkhorn_backward(*ctx.saved_tensors, dy), None
         saved = ctx.saved_tensors
         g = dy
         for k in range(len(saved) // 2 - 1, -1, -1):
@@ -66,6 +74,39 @@ class _SumSq(torch.autograd.Function):
     def backward(ctx, g):  # built from the saved input itself, so it is differentiable again
         (x,) = ctx.saved_tensors
         return x * (2 * g).to(x.dtype)
+
+
+class _PreMix(torch.autograd.Function):
+    """Native ``Hpre x`` per token (kernels/cpu_native.py): one pass over the streams each way."""
+
+    @staticmethod
+    def forward(ctx, x_BTND, h_BTN):
+        ctx.save_for_backward(x_BTND, h_BTN)
+        return cpu_native.premix(x_BTND, h_BTN)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        x, h = ctx.saved_tensors
+        return cpu_native.premix_backward(x, h, g.contiguous())
+
+
+class _PostMix(torch.autograd.Function):
+    """Native ``Hres x + Hpost f`` per token: one pass forward, one backward."""
+
+    @staticmethod
+    def forward(ctx, x_BTND, hres_BTNN, hpost_BTN, f_BTD):
+        ctx.save_for_backward(x_BTND, hres_BTNN, hpost_BTN, f_BTD)
+        return cpu_native.postmix(x_BTND, hres_BTNN, hpost_BTN, f_BTD)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        return cpu_native.postmix_backward(*ctx.saved_tensors, g.contiguous())
+
+
+def _native_mix(x_BTND: torch.Tensor, *more: torch.Tensor) -> bool:
+    return x_BTND.is_contiguous() and all(t.is_contiguous() for t in more) and cpu_native.usable(x_BTND, *more)
 
 
 def sinkhorn(logits_BTNN: torch.Tensor, iters: int) -> torch.Tensor:
@@ -126,6 +167,10 @@ class MHCSite(ResidualSite):
         if self.recording:
             self.record(hres_diagnostics(h_res))
         dt = x_BTND.dtype
+        hp, hr, hq = h_pre.to(dt).contiguous(), h_res.to(dt).contiguous(), h_post.to(dt).contiguous()
+        if _native_mix(x_BTND, hp, hr, hq):  # CPU fp32/fp64: one pass per mix, no batched tiny matmuls
+            f_BTD = branch(_PreMix.apply(x_BTND, hp))
+            return (_PostMix.apply(x_BTND, hr, hq, f_BTD.contiguous()),)
         # Hpre x and Hres x as batched [N]-by-[N, D] products per token (no [B,T,N,D] product is formed);
         # Hpost^T f is added in place into Hres x (matmul saves its inputs, not its output).
         f_BTD = branch(torch.matmul(h_pre.to(dt).unsqueeze(-2), x_BTND).squeeze(-2))
