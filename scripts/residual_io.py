@@ -324,6 +324,12 @@ NATIVE_IO = {
     "fuse_forward": ((), ()),
     "fuse_backward": ((), ()),
     "row_dots": ((), ()),
+    "sinkhorn_forward": ((), ()),
+    "sinkhorn_backward": ((), ()),
+    "premix": ((), ()),
+    "premix_backward": ((), ()),
+    "postmix": ((), ()),
+    "postmix_backward": ((), ()),
 }
 
 
